@@ -1,0 +1,18 @@
+"""course_lib.dist — the distributed runtime every later chapter uses.
+
+* :mod:`~course_lib.dist.runtime` — the one place that picks device and backend; ``init()``.
+* :mod:`~course_lib.dist.launch`  — ``launch(fn, world_size)``: run a function on N ranks.
+* :mod:`~course_lib.dist.mesh`    — ``Mesh(dp=, tp=, pp=, cp=, ep=)``: process groups per parallelism.
+* :mod:`~course_lib.dist.trace`   — per-rank timeline of compute and communication spans.
+* :mod:`~course_lib.dist.counter` — calls and bytes per collective and process group.
+"""
+
+from course_lib.dist import counter, trace
+from course_lib.dist.launch import LaunchTimeout, RankError, launch
+from course_lib.dist.mesh import Mesh
+from course_lib.dist.runtime import backend, device, init, rank, shutdown, synchronize, world_size
+
+__all__ = [
+    "launch", "RankError", "LaunchTimeout", "Mesh", "trace", "counter",
+    "backend", "device", "init", "shutdown", "rank", "world_size", "synchronize",
+]

@@ -1,0 +1,289 @@
+"""Run a function on N ranks, from a notebook cell, a test or a script, and get its results back.
+
+    results = launch(fn, world_size, *args, timeout=60, **kwargs)   # results[r] is rank r's return
+
+How it works, and why each piece is there:
+
+* Each rank is a process started from a *fork server* that has already imported torch: starting a
+  rank costs milliseconds instead of a fresh interpreter's seconds, and (unlike a plain fork of a
+  notebook kernel) the server has never touched CUDA or OpenMP threads, so children are safe.
+* ``fn`` travels by value with cloudpickle, so a function defined in a notebook cell works.
+* The caller hosts the rendezvous store on a port the OS picks (port 0): two launches, in two
+  pytest workers at once, can never collide on a port.
+* Each rank's ``print`` output is collected and shown in rank order when the ranks finish, so a
+  notebook's output is the same every run.
+* A rank that raises: the caller gets :class:`RankError` with that rank's number and traceback.
+  A rank that never returns: after ``timeout`` seconds the caller gets :class:`LaunchTimeout`
+  naming the ranks that did not finish and the line each was waiting on (Python's faulthandler
+  dumps their stacks). Either way, every rank — and anything a rank started — is killed before the
+  error is raised: no process is left behind.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import io
+import linecache
+import multiprocessing
+import os
+import pickle
+import queue as queue_mod
+import re
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from course_lib.dist import runtime
+
+HOST = "127.0.0.1"
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class RankError(RuntimeError):
+    """A rank raised; ``.rank`` says which and ``.rank_traceback`` shows where."""
+
+    def __init__(self, rank: int, rank_traceback: str, unfinished: str = ""):
+        self.rank, self.rank_traceback = rank, rank_traceback
+        last = rank_traceback.strip().splitlines()[-1] if rank_traceback.strip() else "?"
+        super().__init__(
+            f"rank {rank} raised {last}\n\n--- traceback of rank {rank} ---\n{rank_traceback}{unfinished}"
+        )
+
+
+class LaunchTimeout(TimeoutError):
+    """Some ranks did not finish in time; ``.ranks`` lists them."""
+
+    def __init__(self, ranks: list[int], timeout: float, where: str):
+        self.ranks = ranks
+        super().__init__(
+            f"ranks {ranks} did not finish within {timeout:g} s (a collective or recv waiting for a "
+            f"peer that never came, or an endless loop). Where each was:\n{where}"
+        )
+
+
+# ----------------------------------------------------------------------------------------- child
+
+
+class _RankOutput(io.TextIOBase):
+    """Stands in for sys.stdout/stderr in a rank: text goes back to the caller via the queue."""
+
+    def __init__(self, q, rank: int, stream: str):
+        self.q, self.rank, self.stream = q, rank, stream
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if text:
+            self.q.put(("out", self.rank, (self.stream, text)))
+        return len(text)
+
+
+def _to_cpu(obj: Any) -> Any:
+    """Results cross a process boundary; GPU tensors must not."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    return obj
+
+
+def _rank_main(rank: int, world_size: int, port: int, payload: bytes, q, stack_dir: str, timeout: float):
+    # Own process group: the caller can kill this rank together with anything it starts.
+    os.setsid()
+    # On request (SIGUSR1) write this rank's stacks to a file, so a timeout can say where it hung.
+    stack_file = open(Path(stack_dir) / f"rank{rank}.txt", "w")
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
+    sys.stdout, sys.stderr = _RankOutput(q, rank, "stdout"), _RankOutput(q, rank, "stderr")
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR=HOST, MASTER_PORT=str(port),
+    )
+    try:
+        if runtime.backend() == "gloo":
+            # N ranks share this machine's cores: more threads than cores only slows everyone.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        store = dist.TCPStore(HOST, port, world_size, is_master=False, timeout=_td(timeout))
+        runtime.init(rank, world_size, store=store, timeout_s=timeout)
+        fn, args, kwargs = cloudpickle.loads(payload)
+        result = fn(*args, **kwargs)
+        q.put(("ok", rank, cloudpickle.dumps(_to_cpu(result))))
+    except BaseException:  # noqa: BLE001 - everything must reach the caller, KeyboardInterrupt too
+        q.put(("err", rank, traceback.format_exc()))
+    finally:
+        try:
+            runtime.shutdown()
+        except Exception:  # noqa: BLE001 - a broken group cannot be torn down cleanly; we exit anyway
+            pass
+        sys.stdout.flush()
+
+
+def _td(seconds: float):
+    import datetime
+
+    return datetime.timedelta(seconds=seconds)
+
+
+# ---------------------------------------------------------------------------------------- caller
+
+_CONTEXT = None
+
+
+def _context():
+    """A fork-server context that pre-imports torch (created once per caller process)."""
+    global _CONTEXT
+    if _CONTEXT is None:
+        _CONTEXT = multiprocessing.get_context("forkserver")
+        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "course_lib.dist.runtime"])
+    return _CONTEXT
+
+
+def launch(fn: Callable, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S, **kwargs) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the list of their return values.
+
+    Inside ``fn`` the default process group is initialised (gloo+cpu or nccl+cuda, see
+    :mod:`course_lib.dist.runtime`), so ``torch.distributed`` can be used directly. ``timeout``
+    bounds the whole run and every collective in it.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    ctx = _context()
+    store = dist.TCPStore(HOST, 0, world_size, is_master=True, wait_for_workers=False, timeout=_td(timeout))
+    payload = cloudpickle.dumps((fn, args, kwargs))
+    q = ctx.Queue()
+    stack_dir = tempfile.mkdtemp(prefix="course_launch_")
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world_size, store.port, payload, q, stack_dir, timeout))
+        for r in range(world_size)
+    ]
+    results: dict[int, Any] = {}
+    output: dict[int, list[tuple[str, str]]] = {r: [] for r in range(world_size)}
+    error: tuple[int, str] | None = None
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.start()
+        while len(results) < world_size and error is None:
+            try:
+                kind, rank, body = q.get(timeout=0.05)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
+                if dead:
+                    _drain(q, results, output)  # it may have reported just before exiting
+                    dead = [r for r in dead if r not in results]
+                if dead:
+                    error = (dead[0], f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} "
+                                      "without returning (killed, or the interpreter crashed; a script that "
+                                      "calls launch() must do so under `if __name__ == \"__main__\":`)\n")
+                elif time.monotonic() > deadline:
+                    unfinished = [r for r in range(world_size) if r not in results]
+                    raise LaunchTimeout(unfinished, timeout, _where(procs, unfinished, stack_dir))
+                continue
+            if kind == "out":
+                output[rank].append(body)
+            elif kind == "ok":
+                results[rank] = pickle.loads(body)
+            else:
+                error = (rank, body)
+        if error is not None:
+            unfinished = [r for r in range(world_size) if r not in results and r != error[0]]
+            extra = ""
+            if unfinished:
+                extra = f"\n--- ranks {unfinished} had not finished; where each was ---\n"
+                extra += _where(procs, unfinished, stack_dir)
+            raise RankError(error[0], error[1], extra)
+        return [results[r] for r in range(world_size)]
+    finally:
+        _kill_all(procs)
+        _drain(q, results, output)
+        _replay(output)
+        q.close()
+        del store
+
+
+def _drain(q, results: dict, output: dict) -> None:
+    while True:
+        try:
+            kind, rank, body = q.get_nowait()
+        except (queue_mod.Empty, OSError, ValueError):
+            return
+        if kind == "out":
+            output[rank].append(body)
+        elif kind == "ok":
+            results[rank] = pickle.loads(body)
+
+
+def _replay(output: dict) -> None:
+    """Show each rank's printed text in rank order (deterministic, unlike live interleaving)."""
+    for rank in sorted(output):
+        for stream, text in _join(output[rank]):
+            target = sys.stdout if stream == "stdout" else sys.stderr
+            for line in text.splitlines():
+                print(f"[rank {rank}] {line}", file=target)
+
+
+def _join(chunks: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    joined: list[tuple[str, str]] = []
+    for stream, text in chunks:
+        if joined and joined[-1][0] == stream:
+            joined[-1] = (stream, joined[-1][1] + text)
+        else:
+            joined.append((stream, text))
+    return joined
+
+
+def _where(procs, ranks: list[int], stack_dir: str) -> str:
+    """Ask the given ranks to dump their stacks, and quote the innermost frames of each."""
+    for r in ranks:
+        if procs[r].exitcode is None:
+            try:
+                os.kill(procs[r].pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+    time.sleep(0.5)
+    lines = []
+    for r in ranks:
+        path = Path(stack_dir) / f"rank{r}.txt"
+        dump = path.read_text() if path.exists() else ""
+        frames = [_frame(l) for l in dump.splitlines() if l.strip().startswith("File")]
+        frames = [f for f in frames if f is not None][:3]
+        shown = "\n      ".join(frames) if frames else "(no stack: the rank did not answer)"
+        lines.append(f"  rank {r}, innermost frame first:\n      {shown}")
+    return "\n".join(lines) + "\n"
+
+
+def _frame(line: str) -> str | None:
+    """'File "x.py", line 6 in f' -> 'x.py:6 in f: <source line>', skipping the runtime's frames."""
+    m = re.match(r'\s*File "(.+)", line (\d+) in (\S+)', line)
+    if not m or "multiprocessing" in m[1] or m[1].endswith("course_lib/dist/launch.py"):
+        return None
+    source = linecache.getline(m[1], int(m[2])).strip()
+    return f"{m[1]}:{m[2]} in {m[3]}: {source}"
+
+
+def _kill_all(procs) -> None:
+    """SIGKILL every rank's whole process group, then reap them: nothing outlives a launch."""
+    for p in procs:
+        if p.pid is None:
+            continue  # never started
+        if p.exitcode is None:
+            p.join(timeout=0.2)  # a rank that has returned exits by itself in a moment
+        try:  # the group too: a rank that returned may still have left a child of its own
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if p.exitcode is None:
+            p.kill()
+    for p in procs:
+        if p.pid is not None:
+            p.join(timeout=5)

@@ -1,0 +1,111 @@
+"""The one place where the course chooses a device and a communication backend.
+
+Everything else in ``course_lib`` asks this module for ``device()`` and never mentions CUDA, NCCL
+or gloo itself, so the same code runs on a 2-core laptop (CPU ranks talking over gloo) and on GPUs
+(NCCL), unchanged.
+
+The rule:
+    * CUDA present and at least one GPU per local rank  ->  backend "nccl", device cuda:<local rank>
+    * otherwise                                           ->  backend "gloo", device cpu
+
+NCCL refuses to put two ranks on one GPU, which is why a 1-GPU machine running 4 ranks falls back
+to gloo+cpu. ``COURSE_BACKEND=gloo`` (or ``nccl``) overrides the rule, for example to run CPU
+ranks on a GPU machine.
+
+Two ways in, one initialisation path:
+    * ``course_lib.dist.launch`` spawns ranks itself and calls :func:`init` with a store;
+    * a script started by ``accelerate launch`` or ``torchrun`` calls :func:`init` with no
+      arguments; it reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment those
+      launchers set.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def local_world_size() -> int:
+    """Ranks on this machine (launchers set LOCAL_WORLD_SIZE; a lone process counts as 1)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+
+
+def backend() -> str:
+    """"nccl" when every local rank can have a GPU of its own, "gloo" otherwise."""
+    forced = os.environ.get("COURSE_BACKEND")
+    if forced:
+        if forced not in ("gloo", "nccl"):
+            raise ValueError(f"COURSE_BACKEND={forced!r}: use 'gloo' or 'nccl'")
+        return forced
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size():
+        return "nccl"
+    return "gloo"
+
+
+def device() -> torch.device:
+    """The device this rank computes on: its own GPU under NCCL, the CPU under gloo."""
+    if backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def synchronize() -> None:
+    """Wait for queued device work (a no-op on CPU) — needed before reading a wall clock."""
+    if device().type == "cuda":
+        torch.cuda.synchronize(device())
+
+
+def init(
+    rank: int | None = None,
+    world_size: int | None = None,
+    store: dist.Store | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> None:
+    """Join the process group; with no arguments, from a launcher's environment variables.
+
+    ``timeout_s`` bounds every collective: a rank waiting longer raises instead of hanging.
+    Already initialised (for example by accelerate's ``PartialState``)? Then nothing is done.
+    """
+    if dist.is_initialized():
+        return
+    if rank is None:
+        missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if missing:
+            raise RuntimeError(
+                f"course_lib.dist.init() found no launcher environment (missing {', '.join(missing)}): "
+                "start the script with `accelerate launch` or `torchrun`, or run the function with "
+                "course_lib.dist.launch(fn, world_size)"
+            )
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # gloo picks a network interface by resolving the host name; on a laptop or a container that
+    # can be an unreachable address. Loopback is always right for single-machine runs.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    be = backend()
+    if be == "nccl":
+        torch.cuda.set_device(device())
+    dist.init_process_group(
+        be,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def shutdown() -> None:
+    """Leave the process group (safe to call twice)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1

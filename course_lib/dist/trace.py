@@ -1,0 +1,99 @@
+"""A per-rank timeline: when each compute and communication span started and ended.
+
+    with trace.record() as timeline:
+        with trace.span("forward"):
+            ...
+        dist.all_reduce(grad)             # recorded by course_lib.dist.counter as a "comm" span
+    timeline.spans  # [Span(name="forward", kind="compute", ...), Span(name="all_reduce", kind="comm", ...)]
+
+Every plot of overlap (DDP buckets during backward, pipeline schedules, MoE dispatch) and every
+"measured bubble" in the course is read from these spans. Times come from ``time.perf_counter``,
+a monotonic clock shared by all processes of one machine, so spans of different ranks can be drawn
+on one axis. On a GPU the work is asynchronous, so a span can ask for ``sync=True`` to wait for the
+device before reading the clock (a no-op on CPU).
+
+Communication spans of asynchronous collectives end when their ``wait()`` returns: that is when
+the rank *knows* the data arrived, which is the moment overlap is about.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+from course_lib.dist import runtime
+
+
+@dataclass
+class Span:
+    name: str
+    kind: str  # "compute" or "comm"
+    start: float
+    end: float
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class Timeline:
+    rank: int
+    spans: list[Span] = field(default_factory=list)
+
+    def add(self, name: str, kind: str, start: float, end: float, **meta) -> Span:
+        s = Span(name, kind, start, end, meta)
+        self.spans.append(s)
+        return s
+
+    def of_kind(self, kind: str) -> list[Span]:
+        return [s for s in self.spans if s.kind == kind]
+
+    def named(self, name: str) -> list[Span]:
+        return [s for s in self.spans if s.name == name]
+
+
+_ACTIVE: list[Timeline] = []
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+def active() -> Timeline | None:
+    """The timeline being recorded in this process, if any."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+@contextlib.contextmanager
+def record():
+    """Record every span of this rank until the block ends; yields the :class:`Timeline`."""
+    from course_lib.dist import counter  # the counter's interception is what records comm spans
+
+    tl = Timeline(runtime.rank())
+    _ACTIVE.append(tl)
+    try:
+        with counter.count():
+            yield tl
+    finally:
+        _ACTIVE.remove(tl)
+
+
+@contextlib.contextmanager
+def span(name: str, kind: str = "compute", sync: bool = False, **meta):
+    """Time the block as one span (no cost when nothing is recording)."""
+    tl = active()
+    if tl is None:
+        yield
+        return
+    if sync:
+        runtime.synchronize()
+    start = now()
+    try:
+        yield
+    finally:
+        if sync:
+            runtime.synchronize()
+        tl.add(name, kind, start, now(), **meta)
