@@ -176,7 +176,8 @@ def _counted():
         for w in dist.batch_isend_irecv(ops):
             w.wait()
         out = torch.empty(2000)
-        dist.all_gather_into_tensor(out, x)
+        dist.all_gather_single(out, x)
+        dist.all_gather_into_tensor(out, x)  # deprecated, implemented with all_gather_single: counted once
     spans = [(s.name, s.kind, s.duration, s.meta.get("group")) for s in tl.spans]
     return c.as_dict(), spans
 
@@ -186,9 +187,10 @@ def test_counter_counts_calls_and_payload_bytes_per_group():
     assert counts["all_reduce@dp"] == {"calls": 1, "bytes": 4000}
     assert counts["all_reduce@world"] == {"calls": 1, "bytes": 4000}
     assert counts["isend@world"] == {"calls": 1, "bytes": 40} and counts["irecv@world"] == {"calls": 1, "bytes": 40}
-    assert counts["all_gather_into_tensor@world"] == {"calls": 1, "bytes": 4000}, "all-gather counts this rank's shard"
+    assert counts["all_gather_single@world"] == {"calls": 1, "bytes": 4000}, "all-gather counts this rank's shard"
+    assert counts["all_gather_into_tensor@world"] == {"calls": 1, "bytes": 4000}, "a call counts once, however torch implements it"
     names = [s[0] for s in spans]
-    assert names == ["all_reduce", "matmul", "all_reduce", "isend", "irecv", "all_gather_into_tensor"]
+    assert names == ["all_reduce", "matmul", "all_reduce", "isend", "irecv", "all_gather_single", "all_gather_into_tensor"]
     async_span = spans[2]
     assert async_span[1] == "comm" and async_span[2] >= 0.04, "an async op's span ends when wait() returns"
 

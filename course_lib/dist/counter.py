@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections import defaultdict
 
 import torch
@@ -42,6 +43,8 @@ _PAYLOAD = {
     "reduce": lambda a, k: (_nbytes(_arg(a, k, 0, "tensor")), _arg(a, k, 3, "group")),
     "all_gather": lambda a, k: (_nbytes(_arg(a, k, 1, "tensor")), _arg(a, k, 2, "group")),
     "all_gather_into_tensor": lambda a, k: (_nbytes(_arg(a, k, 1, "input_tensor")), _arg(a, k, 2, "group")),
+    "all_gather_single": lambda a, k: (_nbytes(_arg(a, k, 1, "input_tensor")), _arg(a, k, 2, "group")),
+    "reduce_scatter_single": lambda a, k: (_nbytes(_arg(a, k, 1, "input")), _arg(a, k, 3, "group")),
     "reduce_scatter": lambda a, k: (_nbytes(_arg(a, k, 1, "input_list")), _arg(a, k, 3, "group")),
     "reduce_scatter_tensor": lambda a, k: (_nbytes(_arg(a, k, 1, "input")), _arg(a, k, 3, "group")),
     "all_to_all": lambda a, k: (_nbytes(_arg(a, k, 1, "input_tensor_list")), _arg(a, k, 2, "group")),
@@ -124,24 +127,37 @@ _ACTIVE: list[CommCounter] = []
 _ORIGINALS: dict[str, object] = {}
 
 
+_INSIDE = threading.local()  # torch implements some collectives with others: count only the outermost
+
+
 def _wrap(name: str, original):
     @functools.wraps(original)
     def counted(*args, **kwargs):
-        nbytes, group = _PAYLOAD[name](args, kwargs)
-        gname = group_name(group)
-        for c in _ACTIVE:
-            c.add(name, gname, nbytes)
-        tl = trace.active()
-        start = trace.now()
-        work = original(*args, **kwargs)
-        if tl is None:
-            return work
-        span = tl.add(name, "comm", start, trace.now(), group=gname, bytes=nbytes)
-        if work is not None and hasattr(work, "wait"):
-            return _TimedWork(work, span)
-        return work
+        if getattr(_INSIDE, "depth", 0):
+            return original(*args, **kwargs)
+        _INSIDE.depth = 1
+        try:
+            return _counted_call(name, original, args, kwargs)
+        finally:
+            _INSIDE.depth = 0
 
     return counted
+
+
+def _counted_call(name: str, original, args, kwargs):
+    nbytes, group = _PAYLOAD[name](args, kwargs)
+    gname = group_name(group)
+    for c in _ACTIVE:
+        c.add(name, gname, nbytes)
+    tl = trace.active()
+    start = trace.now()
+    work = original(*args, **kwargs)
+    if tl is None:
+        return work
+    span = tl.add(name, "comm", start, trace.now(), group=gname, bytes=nbytes)
+    if work is not None and hasattr(work, "wait"):
+        return _TimedWork(work, span)
+    return work
 
 
 def _install() -> None:

@@ -1,0 +1,80 @@
+"""The commands behind ./course (the set-up itself is in that script).
+
+    ./course lectures [--execute]   ./course test [pytest args]   ./course grade LAB [--solutions]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LECTURES = ROOT / "lectures"
+BUILD = ROOT / "build" / "lectures"
+
+
+def lectures(execute: bool, port: int | None) -> int:
+    if not execute:
+        cmd = [sys.executable, "-m", "jupyter", "lab", f"--notebook-dir={LECTURES}"]
+        if port:
+            cmd.append(f"--port={port}")
+        return subprocess.call(cmd)
+    BUILD.mkdir(parents=True, exist_ok=True)
+    failed = []
+    for nb in sorted(LECTURES.glob("*.ipynb")):
+        start = time.monotonic()
+        code = subprocess.call([
+            sys.executable, "-m", "jupyter", "nbconvert", "--to", "html", "--execute",
+            "--ExecutePreprocessor.timeout=600", f"--output-dir={BUILD}", str(nb),
+        ], stderr=subprocess.DEVNULL)
+        print(f"{nb.name}: {'ok' if code == 0 else 'FAILED'} in {time.monotonic() - start:.0f} s")
+        if code:
+            failed.append(nb.name)
+    print(f"HTML in {BUILD}" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+def test(extra: list[str]) -> int:
+    """Unit tests, nbval on every lecture (outputs compared), and every lab's grader both ways."""
+    cmd = [
+        sys.executable, "-m", "pytest", "tests", "lectures",
+        "--nbval", "--nbval-current-env", f"--nbval-sanitize-with={LECTURES / 'sanitize.cfg'}",
+        "--nbval-cell-timeout=300", *extra,
+    ]
+    print(" ".join(cmd[2:]), flush=True)
+    return subprocess.call(cmd, cwd=ROOT)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="./course", description="Efficient LLM Training — the course that runs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("lectures", help="JupyterLab on lectures/ (or --execute them headless)")
+    p.add_argument("--execute", action="store_true", help="run every lecture, write HTML to build/lectures/")
+    p.add_argument("--port", type=int, help="JupyterLab port")
+    p = sub.add_parser("test", help="the whole test suite", add_help=False)
+    p.add_argument("pytest_args", nargs=argparse.REMAINDER)
+    p = sub.add_parser("grade", help="grade a lab", add_help=False)
+    p.add_argument("grade_args", nargs=argparse.REMAINDER)
+    p = sub.add_parser("starters", help="regenerate labs/ from solutions/ (or --check)", add_help=False)
+    p.add_argument("starter_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    os.chdir(ROOT)
+    if args.command == "lectures":
+        return lectures(args.execute, args.port)
+    if args.command == "test":
+        return test(args.pytest_args)
+    if args.command == "grade":
+        from course_lib import grade
+
+        return grade.main(args.grade_args)
+    from course_lib import starters
+
+    return starters.main(args.starter_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""One module per lab: ``TASKS``, a list of :class:`course_lib.grade.Task`."""

@@ -1,0 +1,62 @@
+"""Every lab's grader proven both ways, the single-source rule, and the accelerate entry points."""
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from course_lib import grade, starters
+
+ROOT = Path(__file__).resolve().parent.parent
+LABS = sorted(p.name for p in (ROOT / "solutions").glob("lab*") if p.is_dir())
+
+
+def test_there_are_labs():
+    assert "lab01_collectives" in LABS
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_solutions_score_full_marks(lab):
+    results = grade.grade(lab, solutions=True)
+    failed = [f"{r.task.name}: {r.feedback}" for r in results if not r.passed]
+    assert not failed, f"the reference solution of {lab} must score full marks; failed:\n" + "\n".join(failed)
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_untouched_starters_score_zero(lab):
+    results = grade.grade(lab, solutions=False)
+    earned = [f"{r.task.name}" for r in results if r.passed and not r.task.setup]
+    assert not earned, f"an untouched starter of {lab} must earn no points beyond setup; it earned: {earned}"
+    assert all(r.feedback for r in results if not r.passed), "every failure must tell the learner what to look at"
+
+
+def test_labs_are_generated_from_solutions():
+    drifted = starters.drift()
+    assert not drifted, "labs/ differs from what solutions/ generates — run `./course starters`:\n" + "\n".join(drifted)
+
+
+def test_grade_cli_exit_code_and_table(capsys):
+    assert grade.main(["lab01", "--solutions"]) == 0
+    out = capsys.readouterr().out
+    assert "12/12" in out and "total" in out
+    with pytest.raises(SystemExit, match="unknown lab"):
+        grade.main(["lab99"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_lab01_runs_under_accelerate_launch_at_4_ranks():
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", "solutions/accelerate/cpu.yaml",
+        "--main_process_port", str(_free_port()), "solutions/lab01_collectives/run.py", "--sizes-kib", "4", "--repeats", "2",
+    ]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "4 ranks" in out.stdout and "correct: all three equal torch.distributed" in out.stdout
+    assert "rank 0 sent 1572864 B; 2(N-1)/N·S = 1572864 B" in out.stdout

@@ -1,0 +1,54 @@
+"""Solution regions are stripped into stubs that name their task, in .py files and notebooks."""
+
+import json
+
+import pytest
+
+from course_lib.starters import strip_notebook, strip_source
+
+SOURCE = '''def f(x):
+    """Doc."""
+    # BEGIN SOLUTION Task 1: double it
+    y = 2 * x
+    return y
+    # END SOLUTION
+
+
+def g():
+    # BEGIN SOLUTION
+    # STUB: return None
+    return 42
+    # END SOLUTION
+'''
+
+
+def test_region_becomes_a_stub_naming_the_task():
+    out = strip_source(SOURCE)
+    assert "2 * x" not in out and "42" not in out, "no solution code may survive in a starter"
+    assert "    raise NotImplementedError('Task 1: double it')\n" in out
+    assert "    return None\n" in out, "STUB lines replace the region when given"
+    namespace = {}
+    exec(out, namespace)
+    with pytest.raises(NotImplementedError, match="Task 1"):
+        namespace["f"](1)
+
+
+@pytest.mark.parametrize("bad, why", [
+    ("# BEGIN SOLUTION\nx = 1\n", "never closed"),
+    ("x = 1\n# END SOLUTION\n", "without a '# BEGIN SOLUTION'"),
+    ("# BEGIN SOLUTION\n# BEGIN SOLUTION\n# END SOLUTION\n", "cannot nest"),
+])
+def test_malformed_markers_are_reported(bad, why):
+    with pytest.raises(ValueError, match=why):
+        strip_source(bad, "lab.py")
+
+
+def test_notebook_cells_are_stripped_and_their_outputs_cleared():
+    nb = {"cells": [
+        {"cell_type": "code", "source": SOURCE.splitlines(keepends=True), "outputs": [{"text": "84"}], "execution_count": 3, "metadata": {}},
+        {"cell_type": "markdown", "source": ["# BEGIN SOLUTION is only code"], "metadata": {}},
+    ], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    out = json.loads(strip_notebook(json.dumps(nb)))
+    code = "".join(out["cells"][0]["source"])
+    assert "42" not in code and out["cells"][0]["outputs"] == [], "outputs could leak the answer"
+    assert out["cells"][1]["source"] == ["# BEGIN SOLUTION is only code"]
