@@ -17,24 +17,26 @@ LECTURES = ROOT / "lectures"
 BUILD = ROOT / "build" / "lectures"
 
 
-def lectures(execute: bool, port: int | None) -> int:
+def lectures(execute: bool, port: int | None, folder: Path = LECTURES, build: Path = BUILD) -> int:
     if not execute:
-        cmd = [sys.executable, "-m", "jupyter", "lab", f"--notebook-dir={LECTURES}"]
+        cmd = [sys.executable, "-m", "jupyter", "lab", f"--notebook-dir={folder}"]
         if port:
             cmd.append(f"--port={port}")
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            cmd.append("--allow-root")  # containers and CI run as root; Jupyter refuses without this
         return subprocess.call(cmd)
-    BUILD.mkdir(parents=True, exist_ok=True)
+    build.mkdir(parents=True, exist_ok=True)
     failed = []
-    for nb in sorted(LECTURES.glob("*.ipynb")):
+    for nb in sorted(folder.glob("*.ipynb")):
         start = time.monotonic()
         code = subprocess.call([
             sys.executable, "-m", "jupyter", "nbconvert", "--to", "html", "--execute",
-            "--ExecutePreprocessor.timeout=600", f"--output-dir={BUILD}", str(nb),
+            "--ExecutePreprocessor.timeout=600", f"--output-dir={build}", str(nb),
         ], stderr=subprocess.DEVNULL)
         print(f"{nb.name}: {'ok' if code == 0 else 'FAILED'} in {time.monotonic() - start:.0f} s")
         if code:
             failed.append(nb.name)
-    print(f"HTML in {BUILD}" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    print(f"HTML in {build}" + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 
 
@@ -55,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("lectures", help="JupyterLab on lectures/ (or --execute them headless)")
     p.add_argument("--execute", action="store_true", help="run every lecture, write HTML to build/lectures/")
     p.add_argument("--port", type=int, help="JupyterLab port")
+    p.add_argument("--dir", type=Path, default=LECTURES, help="the notebook folder (default: lectures/)")
+    p.add_argument("--build", type=Path, default=BUILD, help="where --execute writes HTML (default: build/lectures/)")
     p = sub.add_parser("test", help="the whole test suite", add_help=False)
     p.add_argument("pytest_args", nargs=argparse.REMAINDER)
     p = sub.add_parser("grade", help="grade a lab", add_help=False)
@@ -64,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.chdir(ROOT)
     if args.command == "lectures":
-        return lectures(args.execute, args.port)
+        return lectures(args.execute, args.port, args.dir.resolve(), args.build.resolve())
     if args.command == "test":
         return test(args.pytest_args)
     if args.command == "grade":

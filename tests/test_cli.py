@@ -1,0 +1,65 @@
+"""The two commands of the README: A serves the lectures (or executes them headless), B tests."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_command_a_serves_the_lectures_in_jupyterlab(tmp_path):
+    port = _free_port()
+    env = {**os.environ, "JUPYTER_TOKEN": "course-test", "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg"),
+           "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt"), "BROWSER": "true"}
+    server = subprocess.Popen([sys.executable, "-m", "course_lib.cli", "lectures", "--port", str(port)],
+                              cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        listing = None
+        for _ in range(120):  # JupyterLab takes a few seconds to start
+            time.sleep(0.5)
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/contents?token=course-test", timeout=2) as r:
+                    listing = json.load(r)
+                break
+            except OSError:
+                assert server.poll() is None, "JupyterLab exited instead of serving lectures/"
+        assert listing is not None, "JupyterLab did not answer within 60 s"
+        served = {item["name"] for item in listing["content"]}
+        expected = {p.name for p in (ROOT / "lectures").iterdir() if not p.name.startswith(".")}
+        assert expected <= served, f"JupyterLab must serve lectures/: missing {expected - served}"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/lab?token=course-test", timeout=5) as r:
+            assert r.status == 200 and b"JupyterLab" in r.read()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_command_a_headless_executes_notebooks_to_html(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(6 * 7)")])
+    (tmp_path / "nb").mkdir()
+    nbformat.write(nb, tmp_path / "nb" / "01_demo.ipynb")
+    out = subprocess.run([sys.executable, "-m", "course_lib.cli", "lectures", "--execute",
+                          "--dir", str(tmp_path / "nb"), "--build", str(tmp_path / "html")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    html = (tmp_path / "html" / "01_demo.html").read_text()
+    assert "42" in html, "the HTML copy must hold the executed cell's output"
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "./course test" in readme and "\n./course test\n" in ci, ".ci/run must call exactly the README's command B"
