@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,14 +13,9 @@ import nbformat
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
-
-def test_command_a_serves_the_lectures_in_jupyterlab(tmp_path):
-    port = _free_port()
+def test_command_a_serves_the_lectures_in_jupyterlab(tmp_path, free_port):
+    port = free_port
     env = {**os.environ, "JUPYTER_TOKEN": "course-test", "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg"),
            "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt"), "BROWSER": "true"}
     server = subprocess.Popen([sys.executable, "-m", "course_lib.cli", "lectures", "--port", str(port)],

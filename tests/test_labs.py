@@ -1,6 +1,5 @@
 """Every lab's grader proven both ways, the single-source rule, and the accelerate entry points."""
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -45,16 +44,11 @@ def test_grade_cli_exit_code_and_table(capsys):
         grade.main(["lab99"])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
-
-def test_lab01_runs_under_accelerate_launch_at_4_ranks():
+def test_lab01_runs_under_accelerate_launch_at_4_ranks(free_port):
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", "solutions/accelerate/cpu.yaml",
-        "--main_process_port", str(_free_port()), "solutions/lab01_collectives/run.py", "--sizes-kib", "4", "--repeats", "2",
+        "--main_process_port", str(free_port), "solutions/lab01_collectives/run.py", "--sizes-kib", "4", "--repeats", "2",
     ]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
