@@ -1,0 +1,130 @@
+"""Lab 06 — sequence parallel attention: ring attention (and Ulysses for extra credit).
+
+N ranks each hold 1/N of a long sequence. You make them compute *causal* attention over the whole
+sequence, and its gradients, without any rank ever holding all of it.
+
+Shapes: q is [b, h, L, d], k and v are [b, h_kv, L, d] (grouped-query attention: query head i
+reads K/V head i // (h / h_kv)), L = s/N tokens on this rank.
+
+Layout for the ring ("zigzag", the causal load balancing of Megatron-LM's context parallelism):
+the sequence is cut into 2N chunks of c = s/2N tokens and rank r holds chunks r and 2N-1-r, in
+that order — L = 2c rows, first its early chunk, then its late one. (``shard`` and ``unshard``,
+given, cut and reassemble.)
+
+Given, from course_lib.ring_attention (read their docstrings):
+    block_attention(q, k, v, causal)  -> (out, lse)   fp32 attention of one block pair + log-sum-exp
+    block_attention_backward(dout, q, k, v, out, lse, causal) -> (dq, dk, dv)   with the FINAL out, lse
+``causal=True`` needs a square block whose rows and columns are the same positions (a diagonal).
+Call ``block_attention`` by that name: the grader counts the work you hand it.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from course_lib.ring_attention import block_attention, block_attention_backward, shard, unshard  # noqa: F401
+
+
+def neighbours(group=None) -> tuple[int, int, int, int]:
+    """(my index in the group, group size, global rank of my right neighbour, of my left one)."""
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    right, left = (rank + 1) % n, (rank - 1) % n
+    if group is not None:
+        right, left = dist.get_global_rank(group, right), dist.get_global_rank(group, left)
+    return rank, n, right, left
+
+
+# ------------------------------------------------------------------------------ Task 1
+
+
+def merge_partials(out_a, lse_a, out_b, lse_b):
+    """Merge two partial attentions of the same query rows over disjoint sets of keys.
+
+    out_*: [..., m, d], lse_*: [..., m] (log of each row's softmax denominator). Return (out, lse):
+        lse = log(e^lse_a + e^lse_b),   out = e^(lse_a - lse)·out_a + e^(lse_b - lse)·out_b
+    It must be exact for a row that is still empty (lse_a = -inf, out_a = 0), and must not
+    overflow when the lse are large (1000 and more): never compute e^lse itself.
+    """
+    raise NotImplementedError('Task 1: merge two partial softmax results by their log-sum-exp')
+
+
+# ------------------------------------------------------------------------------ Task 2
+
+
+def ring_attention_forward(q, k, v, group=None):
+    """Causal attention of this rank's zigzag shard; returns (out fp32 [b, h, L, d], lse [b, h, L]).
+
+    Schedule: N steps; at step t you hold the K/V of rank src = (rank - t) mod N. Before computing
+    on it, start sending it to the right neighbour and receiving the next one from the left
+    (dist.isend / dist.irecv; wait before the next step), so N-1 K/V transfers in all. Per step:
+      * src == rank: all L query rows against all L keys, causal (local order is global order);
+      * src <  rank: all query rows against the first c keys (src's early chunk), not causal;
+      * src >  rank: only the last c query rows (my late chunk) against all L keys, not causal;
+    and merge each result into (out, lse) with merge_partials. Everything else is masked: skip it.
+    """
+    raise NotImplementedError('Task 2: the ring forward, zigzag layout, K/V blocks passed to the right')
+
+
+# ------------------------------------------------------------------------------ Task 3
+
+
+def ring_attention_backward(dout, q, k, v, out, lse, group=None):
+    """Gradients (dq, dk, dv) of this rank's shard, all fp32, from the forward's final out and lse.
+
+    The same N steps and the same row/key choices as the forward, with block_attention_backward.
+    dq stays here. dk/dv of a block belong to the rank that owns it: let an accumulator travel
+    *with* the K/V block — at each step add your share to it and pass it right, receiving the
+    accumulator of the next block from the left. After N such hops the one you receive holds the
+    complete dk, dv of your own block. (K/V make N-1 hops, dK/dV make N.)
+    """
+    raise NotImplementedError('Task 3: the ring backward, dK/dV travelling with their block')
+
+
+class RingAttention(torch.autograd.Function):
+    """Given: ties your forward and backward together so that loss.backward() runs your ring."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group):
+        out, lse = ring_attention_forward(q, k, v, group)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group = group
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, ctx.group)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def ring_attention(q, k, v, group=None):
+    """Causal attention over a zigzag-sharded sequence (this rank's q, k, v in, its output out)."""
+    return RingAttention.apply(q, k, v, group)
+
+
+# --------------------------------------------------------------- Task 4 (extra credit): Ulysses
+
+
+def seq_to_heads(x, group=None):
+    """[b, h, s/N, d] -> [b, h/N, s, d] with ONE dist.all_to_all_single, differentiable.
+
+    Rank r sends head group j (heads j·h/N ...) of its tokens to rank j, and receives from every
+    rank i its tokens (i·s/N ...) of head group r. The gradient of an all-to-all is the inverse
+    all-to-all: write a torch.autograd.Function whose backward does heads_to_seq.
+    """
+    raise NotImplementedError('Task 4: Ulysses all-to-all, sequence shard -> head shard (with its backward)')
+
+
+def heads_to_seq(x, group=None):
+    """[b, h/N, s, d] -> [b, h, s/N, d]: the inverse of seq_to_heads (and its backward)."""
+    raise NotImplementedError('Task 4: Ulysses all-to-all, head shard -> sequence shard')
+
+
+def ulysses_attention(q, k, v, group=None):
+    """Causal attention of a *contiguous* sequence shard (rank r holds tokens r·s/N ...) by Ulysses:
+    seq_to_heads for q, k, v; F.scaled_dot_product_attention(..., is_causal=True, enable_gqa=True);
+    heads_to_seq for the output. N must divide h and h_kv: raise a ValueError saying so if not."""
+    raise NotImplementedError('Task 4: Ulysses attention')
+
+
+pass
