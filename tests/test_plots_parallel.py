@@ -1,0 +1,64 @@
+"""course_lib.plots_parallel: the helpers draw what they are given (read back from the Axes)."""
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: no window, same drawing
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from course_lib import plots_parallel  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+    yield
+    plt.close("all")
+
+
+def test_chunk_owners_follow_the_library_layouts():
+    assert plots_parallel.chunk_owners(4, "contiguous") == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert plots_parallel.chunk_owners(4, "zigzag") == [0, 1, 2, 3, 3, 2, 1, 0], (
+        "zigzag gives rank r chunks r and 2N-1-r (course_lib.ring_attention.zigzag_chunks)")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_causal_work_grid_labels_every_unmasked_pair_with_its_rank(layout):
+    world = 3
+    ax = plots_parallel.causal_work_grid(world, layout)
+    labels = [int(t.get_text()) for t in ax.texts]
+    n = 2 * world
+    assert len(labels) == n * (n + 1) // 2, "one label per (query chunk, key chunk) pair on or below the diagonal"
+    owners = plots_parallel.chunk_owners(world, layout)
+    # text i-th written row by row: (0,0), (1,0), (1,1), (2,0), ...
+    want = [owners[i] for i in range(n) for _ in range(i + 1)]
+    assert labels == want, "each pair is computed by the rank that owns its query chunk"
+    image = ax.get_images()[0].get_array()
+    assert np.all(image[0, 1:, :3] == 1.0), "pairs above the diagonal (masked) stay blank"
+    work = [sum(1.0 if j < i else 0.5 for i in range(n) for j in range(i + 1) if owners[i] == r) for r in range(world)]
+    if layout == "zigzag":
+        assert len(set(work)) == 1, f"zigzag balances the causal work: {work}"
+    else:
+        assert work == sorted(work) and work[0] < work[-1], f"contiguous: later ranks do more: {work}"
+
+
+def test_work_per_rank_draws_one_bar_per_rank_and_layout_and_the_means():
+    ax = plots_parallel.work_per_rank({"contiguous": [1, 3, 5, 7], "zigzag": [4, 4, 4, 4]})
+    heights = [p.get_height() for p in ax.patches]
+    assert heights == [1, 3, 5, 7, 4, 4, 4, 4]
+    means = sorted(set(ln.get_ydata()[0] for ln in ax.get_lines()))
+    assert means == [4.0], "both layouts do the same total work here, so both dashed means sit at 4"
+    with pytest.raises(ValueError, match="one value per rank"):
+        plots_parallel.work_per_rank({"a": [1, 2], "b": [1, 2, 3]})
+
+
+def test_memory_vs_length_is_log_log_and_skips_impossible_points():
+    ax = plots_parallel.memory_vs_length([8, 16, 32], {"ring": [1, 2, 4], "ulysses": [1, None, None]}, budget=3)
+    lines = {ln.get_label(): ln for ln in ax.get_lines()}
+    assert list(lines["ring"].get_ydata()) == [1, 2, 4]
+    assert list(lines["ulysses"].get_xdata()) == [8], "None marks a degree the method cannot run at: not drawn"
+    assert set(lines["budget"].get_ydata()) == {3}
+    assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
+    with pytest.raises(ValueError, match="3 sequence lengths"):
+        plots_parallel.memory_vs_length([8, 16, 32], {"ring": [1, 2]})
