@@ -156,19 +156,19 @@ def _measure_rank(cfg, batch, seq_lens, settings, attention, seed):
     """On each rank of a TP group: measured bytes for every (seq_len, sequence_parallel) asked for."""
     import torch.distributed as dist
 
-    from course_lib.dist import Mesh
+    from course_lib.dist import Mesh, device
     from course_lib.model import Transformer
     from course_lib.sequence_parallel import shard_sequence
     from course_lib.tp_model import TPBlock
 
     mesh = Mesh(tp=dist.get_world_size())
     torch.manual_seed(seed)
-    dense = Transformer(cfg)
+    dense = Transformer(cfg).to(device())
     out = {}
     for sp in settings:
         block = TPBlock(dense.layers[0], mesh, sequence_parallel=sp)
         for s in seq_lens:
-            x = torch.randn(batch, s, cfg.d_model, generator=torch.Generator().manual_seed(seed + s))
+            x = torch.randn(batch, s, cfg.d_model, generator=torch.Generator().manual_seed(seed + s)).to(device())
             x = shard_sequence(x, mesh.group("tp")) if sp else x
             out[(s, sp)] = measure_block(block, x, dense.rope_cos[:s], dense.rope_sin[:s], attention)
     return out
@@ -184,11 +184,12 @@ def measure_layer_bytes(cfg: ModelConfig, batch: int, seq_lens, tp: int = 1, set
     """
     seq_lens = list(seq_lens)
     if tp == 1:
+        from course_lib.dist import device
         from course_lib.model import Transformer
 
         torch.manual_seed(seed)
-        dense = Transformer(cfg)
-        return {(s, False): measure_block(dense.layers[0], torch.randn(batch, s, cfg.d_model),
+        dense = Transformer(cfg).to(device())
+        return {(s, False): measure_block(dense.layers[0], torch.randn(batch, s, cfg.d_model, device=device()),
                                           dense.rope_cos[:s], dense.rope_sin[:s], attention) for s in seq_lens}
     from course_lib.dist import launch
 

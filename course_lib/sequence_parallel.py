@@ -182,18 +182,18 @@ def wire_bytes(counts: dict, t: int) -> float:
 
 
 def _count_block_rank(cfg, batch, seq_len, settings, seed):
-    from course_lib.dist import Mesh, counter
+    from course_lib.dist import Mesh, counter, device
     from course_lib.model import Transformer
     from course_lib.tp_model import TPBlock
 
     mesh = Mesh(tp=dist.get_world_size())
     torch.manual_seed(seed)
-    dense = Transformer(cfg)
+    dense = Transformer(cfg).to(device())
     cos, sin = dense.rope_cos[:seq_len], dense.rope_sin[:seq_len]
     results = {}
     for sp in settings:
         block = TPBlock(dense.layers[0], mesh, sequence_parallel=sp)
-        x = torch.randn(batch, seq_len, cfg.d_model, generator=torch.Generator().manual_seed(seed))
+        x = torch.randn(batch, seq_len, cfg.d_model, generator=torch.Generator().manual_seed(seed)).to(device())
         x = (shard_sequence(x, mesh.group("tp")) if sp else x).clone().requires_grad_(True)
         with counter.count() as fwd:
             y = block(x, cos, sin)

@@ -142,18 +142,18 @@ def matmul_3d(x: torch.Tensor, w: torch.Tensor, assemble: bool = True) -> torch.
     # Stored shards: X_il split over j along b, W_lj split over i along n.
     x_shard = _block(x, q, q, i, l).tensor_split(q, dim=0)[j].contiguous()
     w_shard = _block(w, q, q, l, j).tensor_split(q, dim=1)[i].contiguous()
-    x_il = torch.empty(q * x_shard.shape[0], x_shard.shape[1], dtype=x.dtype)
+    x_il = torch.empty(q * x_shard.shape[0], x_shard.shape[1], dtype=x.dtype, device=x.device)
     dist.all_gather_single(x_il, x_shard, group=along_j)
-    w_parts = torch.empty(q * w_shard.shape[0], w_shard.shape[1], dtype=w.dtype)
+    w_parts = torch.empty(q * w_shard.shape[0], w_shard.shape[1], dtype=w.dtype, device=w.device)
     dist.all_gather_single(w_parts, w_shard, group=along_i)
     w_lj = torch.cat(w_parts.chunk(q, dim=0), dim=1)  # the shards were split along n
     partial = x_il @ w_lj  # [b/q, n/q], to be summed over l
-    y_shard = torch.empty(partial.shape[0] // q, partial.shape[1], dtype=x.dtype)
+    y_shard = torch.empty(partial.shape[0] // q, partial.shape[1], dtype=x.dtype, device=x.device)
     dist.reduce_scatter_tensor(y_shard, partial.contiguous(), group=along_l)
     if not assemble:
         return y_shard
     # y_shard is rows l of block Y_ij; gather the whole Y to check it (not part of the algorithm).
-    full = torch.empty(p * y_shard.numel(), dtype=x.dtype)
+    full = torch.empty(p * y_shard.numel(), dtype=x.dtype, device=x.device)
     dist.all_gather_single(full, y_shard.flatten().contiguous())
     pieces = full.view(q, q, q, *y_shard.shape)  # [i, j, l, rows, cols]
     return pieces.permute(0, 2, 3, 1, 4).reshape(x.shape[0], w.shape[1])
@@ -166,12 +166,12 @@ def _block(m: torch.Tensor, rows: int, cols: int, i: int, j: int) -> torch.Tenso
 def _assemble(block: torch.Tensor, grid: tuple[int, int], where: tuple[int, int]) -> torch.Tensor:
     """All-gather every rank's block and place it; only for checking results against X·W."""
     p = dist.get_world_size()
-    everything = torch.empty(p * block.numel(), dtype=block.dtype)
+    everything = torch.empty(p * block.numel(), dtype=block.dtype, device=block.device)
     dist.all_gather_single(everything, block.flatten().contiguous())
-    coords = torch.tensor([where], dtype=torch.long)
-    all_coords = torch.empty(p * 2, dtype=torch.long)
+    coords = torch.tensor([where], dtype=torch.long, device=block.device)
+    all_coords = torch.empty(p * 2, dtype=torch.long, device=block.device)
     dist.all_gather_single(all_coords, coords.flatten())
-    out = torch.empty(grid[0] * block.shape[0], grid[1] * block.shape[1], dtype=block.dtype)
+    out = torch.empty(grid[0] * block.shape[0], grid[1] * block.shape[1], dtype=block.dtype, device=block.device)
     for r, (bi, bj) in enumerate(all_coords.view(p, 2).tolist()):
         out[bi * block.shape[0]:(bi + 1) * block.shape[0], bj * block.shape[1]:(bj + 1) * block.shape[1]] = (
             everything[r * block.numel():(r + 1) * block.numel()].view(block.shape))
