@@ -10,7 +10,9 @@ A solution region is marked in a ``.py`` file or in a notebook's code cell like 
 In the starter the region becomes ``raise NotImplementedError("Task 1: ring all-reduce from
 send/recv")`` at the region's indentation, so a test that reaches it names the task. Where
 raising is not what the starter should do, ``# STUB: <code>`` lines inside the region give the
-starter's code instead. Every other file is copied as it is.
+starter's code instead. Every other file is copied as it is, except that a path into
+``solutions/`` becomes the same path into ``labs/`` in every text file (a starter's config or
+README must point at the learner's tree, never at the answers).
 
     python -m course_lib.starters           # regenerate labs/ from solutions/
     python -m course_lib.starters --check   # exit 1, listing files, when labs/ has drifted
@@ -31,6 +33,7 @@ BEGIN = re.compile(r"^(\s*)# BEGIN SOLUTION\s*(.*)$")
 END = re.compile(r"^\s*# END SOLUTION\s*$")
 STUB = re.compile(r"^\s*# STUB: ?(.*)$")
 SKIP = {"__pycache__", ".ipynb_checkpoints"}
+TEXT = {".md", ".yaml", ".yml", ".json", ".txt", ".cfg", ".toml"}
 
 
 def strip_source(text: str, where: str = "<source>") -> str:
@@ -86,11 +89,17 @@ def generate(solutions: Path, labs: Path) -> None:
         dst = labs / src.relative_to(solutions)
         dst.parent.mkdir(parents=True, exist_ok=True)
         if src.suffix == ".py":
-            dst.write_text(strip_source(src.read_text(), str(src)))
+            dst.write_text(_to_labs(strip_source(src.read_text(), str(src))))
         elif src.suffix == ".ipynb":
-            dst.write_text(strip_notebook(src.read_text(), str(src)))
+            dst.write_text(_to_labs(strip_notebook(src.read_text(), str(src))))
+        elif src.suffix in TEXT:
+            dst.write_text(_to_labs(src.read_text()))
         else:
             shutil.copy2(src, dst)
+
+
+def _to_labs(text: str) -> str:
+    return text.replace("solutions/", "labs/")
 
 
 def drift(solutions: Path = ROOT / "solutions", labs: Path = ROOT / "labs") -> list[str]:

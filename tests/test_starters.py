@@ -52,3 +52,12 @@ def test_notebook_cells_are_stripped_and_their_outputs_cleared():
     code = "".join(out["cells"][0]["source"])
     assert "42" not in code and out["cells"][0]["outputs"] == [], "outputs could leak the answer"
     assert out["cells"][1]["source"] == ["# BEGIN SOLUTION is only code"]
+
+
+def test_starters_never_point_into_solutions(tmp_path):
+    from course_lib.starters import generate
+
+    (tmp_path / "solutions" / "accelerate").mkdir(parents=True)
+    (tmp_path / "solutions" / "accelerate" / "ds.yaml").write_text("deepspeed_config_file: solutions/deepspeed/zero3.json\n")
+    generate(tmp_path / "solutions", tmp_path / "labs")
+    assert (tmp_path / "labs" / "accelerate" / "ds.yaml").read_text() == "deepspeed_config_file: labs/deepspeed/zero3.json\n"
