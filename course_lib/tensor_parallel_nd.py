@@ -21,10 +21,10 @@ Notation: X is [b, h] (b = tokens of the micro-batch), W is [h, n], Y = X·W is 
   reduce-scatter: shards of bh/q³ and hn/q³ in, bn/q² reduced: (bh + hn)/q³ + bn/q² payload.
   What a device *receives* is (q-1)/q · (bh + hn + bn)/q², i.e. O(p^(-2/3)).
 
-"Elements" below are the payloads the counter records per device (see counter.py: a broadcast
-counts its block on every rank, root included; all-gather counts the rank's shard; reduce-scatter
-its input). 1D is given for comparison as the payload of Megatron's two all-reduces (forward and
-backward) of a column-then-row pair: 2·b·h.
+"Elements" below are the payloads the counter records per device for one forward matmul (see
+counter.py: a broadcast counts its block on every rank, root included; all-gather counts the rank's
+shard; reduce-scatter its input). 1D is given for comparison as Megatron's row-parallel matmul,
+whose [b, n] output is all-reduced: b·n, whatever the number of devices.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch.distributed as dist
 def comm_elements(scheme: str, b: int, h: int, n: int, p: int, d: int = 1) -> float:
     """Payload elements per device for one forward Y = X·W under ``scheme`` (see module docstring)."""
     if scheme == "1d":
-        return 2 * b * h
+        return b * n
     if scheme == "2d":
         q = _root(p, 2, "2d")
         return q * (b * h + h * n) / q**2

@@ -36,6 +36,7 @@ def test_grid_matmul_equals_dense_and_traffic_equals_formula(scheme, p, depth):
 
 def test_traffic_per_device_shrinks_with_the_grid():
     b, h = 8 * 4096, 8192  # a real layer: 8 sequences of 4k tokens, hidden 8192
+    assert comm_elements("1d", b, h, h, 64) == b * h, "1D all-reduces the whole [b, n] output of a row-parallel matmul"
     one_d = comm_elements("1d", b, h, h, 64)
     assert comm_elements("2d", b, h, h, 64) < one_d
     assert comm_elements("3d", b, h, h, 64) < comm_elements("2d", b, h, h, 64)
