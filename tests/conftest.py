@@ -1,6 +1,18 @@
 import socket
 
-import pytest
+import matplotlib
+
+matplotlib.use("Agg")  # tests draw headless: no window, the same drawing
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+    """Plots made by one test must not pile up in the next."""
+    yield
+    plt.close("all")
 
 
 @pytest.fixture

@@ -1,20 +1,9 @@
 """course_lib.plots: the helpers draw what they are given (read back from the Axes)."""
 
-import matplotlib
+import pytest
 
-matplotlib.use("Agg")  # headless: no window, same drawing
-
-import matplotlib.pyplot as plt  # noqa: E402
-import pytest  # noqa: E402
-
-from course_lib import plots  # noqa: E402
-from course_lib.dist.trace import Span  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _close_figures():
-    yield
-    plt.close("all")
+from course_lib import plots
+from course_lib.dist.trace import Span
 
 
 def test_loss_curves_draws_each_curve_and_the_floor():

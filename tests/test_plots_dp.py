@@ -1,13 +1,9 @@
 """The lecture 02 plots draw what they are given: read the drawn bars back and compare."""
 
-import matplotlib
+import pytest
 
-matplotlib.use("Agg")
-
-import pytest  # noqa: E402
-
-from course_lib.dist.trace import Span  # noqa: E402
-from course_lib.plots_dp import compute_segments, ddp_timeline, measured_vs_formula  # noqa: E402
+from course_lib.dist.trace import Span
+from course_lib.plots_dp import compute_segments, ddp_timeline, measured_vs_formula
 
 
 def _step():

@@ -1,20 +1,9 @@
 """course_lib.plots_parallel: the helpers draw what they are given (read back from the Axes)."""
 
-import matplotlib
+import numpy as np
+import pytest
 
-matplotlib.use("Agg")  # headless: no window, same drawing
-
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from course_lib import plots_parallel  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _close_figures():
-    yield
-    plt.close("all")
+from course_lib import plots_parallel
 
 
 def test_chunk_owners_follow_the_library_layouts():
