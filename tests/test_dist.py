@@ -207,3 +207,18 @@ def test_init_without_launcher_environment_explains(monkeypatch):
         monkeypatch.delenv(v, raising=False)
     with pytest.raises(RuntimeError, match="accelerate launch"):
         runtime.init()
+
+
+def _only_rank_1_waits():
+    if dist.get_rank() == 1:
+        dist.recv(torch.zeros(1), src=0)  # rank 0 returns without ever sending
+    return dist.get_rank()
+
+
+def test_a_rank_that_returns_early_keeps_its_peers_waiting_visibly():
+    """Rank 0 must not disconnect when it returns: rank 1's hang must stay a hang, shown on its line,
+    not turn into a 'connection reset by peer' error from inside gloo."""
+    with pytest.raises(LaunchTimeout) as info:
+        launch(_only_rank_1_waits, 2, timeout=3)
+    assert info.value.ranks == [1]
+    assert "dist.recv(torch.zeros(1), src=0)" in str(info.value)

@@ -98,7 +98,7 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
-def _rank_main(rank: int, world_size: int, port: int, payload: bytes, q, stack_dir: str, timeout: float):
+def _rank_main(rank: int, world_size: int, port: int, payload: bytes, q, release, stack_dir: str, timeout: float):
     # Own process group: the caller can kill this rank together with anything it starts.
     os.setsid()
     # On request (SIGUSR1) write this rank's stacks to a file, so a timeout can say where it hung.
@@ -121,6 +121,10 @@ def _rank_main(rank: int, world_size: int, port: int, payload: bytes, q, stack_d
     except BaseException:  # noqa: BLE001 - everything must reach the caller, KeyboardInterrupt too
         q.put(("err", rank, traceback.format_exc()))
     finally:
+        # Stay connected until the caller releases every rank at once: a rank that left early would
+        # reset its peers' connections, turning "rank 1 waits forever in recv" into a confusing
+        # "connection reset by peer" instead of a timeout that shows the line rank 1 waits on.
+        release.wait(timeout + 60)
         try:
             runtime.shutdown()
         except Exception:  # noqa: BLE001 - a broken group cannot be torn down cleanly; we exit anyway
@@ -160,10 +164,10 @@ def launch(fn: Callable, world_size: int, *args, timeout: float = DEFAULT_TIMEOU
     ctx = _context()
     store = dist.TCPStore(HOST, 0, world_size, is_master=True, wait_for_workers=False, timeout=_td(timeout))
     payload = cloudpickle.dumps((fn, args, kwargs))
-    q = ctx.Queue()
+    q, release = ctx.Queue(), ctx.Event()
     stack_dir = tempfile.mkdtemp(prefix="course_launch_")
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world_size, store.port, payload, q, stack_dir, timeout))
+        ctx.Process(target=_rank_main, args=(r, world_size, store.port, payload, q, release, stack_dir, timeout))
         for r in range(world_size)
     ]
     results: dict[int, Any] = {}
@@ -175,7 +179,7 @@ def launch(fn: Callable, world_size: int, *args, timeout: float = DEFAULT_TIMEOU
             p.start()
         while len(results) < world_size and error is None:
             try:
-                kind, rank, body = q.get(timeout=0.05)
+                error = _receive(q, results, output, wait=0.05)
             except queue_mod.Empty:
                 dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
                 if dead:
@@ -188,14 +192,15 @@ def launch(fn: Callable, world_size: int, *args, timeout: float = DEFAULT_TIMEOU
                 elif time.monotonic() > deadline:
                     unfinished = [r for r in range(world_size) if r not in results]
                     raise LaunchTimeout(unfinished, timeout, _where(procs, unfinished, stack_dir))
-                continue
-            if kind == "out":
-                output[rank].append(body)
-            elif kind == "ok":
-                results[rank] = pickle.loads(body)
-            else:
-                error = (rank, body)
         if error is not None:
+            # Give the others a moment to finish, or to reach the line they will block on, so
+            # the stacks quoted below show where they wait rather than where they happened to be.
+            grace = time.monotonic() + min(1.0, max(0.0, deadline - time.monotonic()))
+            while len(results) < world_size - 1 and time.monotonic() < grace:
+                try:
+                    _receive(q, results, output, wait=0.05)
+                except queue_mod.Empty:
+                    pass
             unfinished = [r for r in range(world_size) if r not in results and r != error[0]]
             extra = ""
             if unfinished:
@@ -204,6 +209,7 @@ def launch(fn: Callable, world_size: int, *args, timeout: float = DEFAULT_TIMEOU
             raise RankError(error[0], error[1], extra)
         return [results[r] for r in range(world_size)]
     finally:
+        release.set()
         _kill_all(procs)
         _drain(q, results, output)
         _replay(output)
@@ -211,16 +217,28 @@ def launch(fn: Callable, world_size: int, *args, timeout: float = DEFAULT_TIMEOU
         del store
 
 
+def _receive(q, results: dict, output: dict, wait: float | None) -> tuple[int, str] | None:
+    """File one message from the ranks (printed text or a result); a rank's error is returned.
+
+    Raises ``queue.Empty`` when nothing arrives within ``wait`` seconds (``None``: do not wait).
+    """
+    kind, rank, body = q.get(timeout=wait) if wait else q.get_nowait()
+    if kind == "out":
+        output[rank].append(body)
+    elif kind == "ok":
+        results[rank] = pickle.loads(body)
+    else:
+        return rank, body
+    return None
+
+
 def _drain(q, results: dict, output: dict) -> None:
+    """Everything still queued (after the ranks stopped): their last prints and results."""
     while True:
         try:
-            kind, rank, body = q.get_nowait()
+            _receive(q, results, output, wait=None)
         except (queue_mod.Empty, OSError, ValueError):
             return
-        if kind == "out":
-            output[rank].append(body)
-        elif kind == "ok":
-            results[rank] = pickle.loads(body)
 
 
 def _replay(output: dict) -> None:
@@ -265,7 +283,7 @@ def _where(procs, ranks: list[int], stack_dir: str) -> str:
 def _frame(line: str) -> str | None:
     """'File "x.py", line 6 in f' -> 'x.py:6 in f: <source line>', skipping the runtime's frames."""
     m = re.match(r'\s*File "(.+)", line (\d+) in (\S+)', line)
-    if not m or "multiprocessing" in m[1] or m[1].endswith("course_lib/dist/launch.py"):
+    if not m or "multiprocessing" in m[1] or m[1].startswith("<") or m[1].endswith("course_lib/dist/launch.py"):
         return None
     source = linecache.getline(m[1], int(m[2])).strip()
     return f"{m[1]}:{m[2]} in {m[3]}: {source}"
