@@ -26,7 +26,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from course_lib.data import VOCAB_SIZE
+from course_lib.tokenizer import VOCAB_SIZE
 
 
 def _swiglu_hidden(d_model: int, multiple_of: int = 64) -> int:
@@ -330,7 +330,7 @@ def _require(condition: bool, message: str) -> None:
 
 
 # ---------------------------------------------------------------------- the named configurations
-_COURSE = "course model, sized to train on 2 CPU cores; vocab_size = course_lib.data.VOCAB_SIZE"
+_COURSE = "course model, sized to train on 2 CPU cores; vocab_size = course_lib.tokenizer.VOCAB_SIZE"
 
 _REGISTRY: dict[str, dict] = {
     "tiny": dict(

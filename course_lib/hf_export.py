@@ -12,7 +12,7 @@ convention (rotate the two halves of each head). So export is only renaming, no 
 (Meta's own Llama checkpoints rotate interleaved channel pairs, and converting them to Hugging Face
 needs a permutation of wq/wk rows; the course model was written in Hugging Face's layout to avoid it.)
 The directory then loads with ``transformers.LlamaForCausalLM.from_pretrained(path)`` and serves
-with vLLM, offline, next to the course's tokenizer files from ``course_lib.data.save_hf_tokenizer``.
+with vLLM, offline, next to the course's tokenizer files from ``course_lib.tokenizer.save_hf_tokenizer``.
 """
 
 from __future__ import annotations
@@ -80,13 +80,13 @@ def export_hf(model, path: str | Path) -> Path:
     """Write ``model`` (a course_lib.model.Transformer) to ``path`` as a Hugging Face Llama checkpoint.
 
     Files: ``config.json``, ``model.safetensors`` (weights under Hugging Face names, in the model's
-    dtype) and the tokenizer files of ``course_lib.data.save_hf_tokenizer``. Nothing is downloaded.
+    dtype) and the tokenizer files of ``course_lib.tokenizer.save_hf_tokenizer``. Nothing is downloaded.
     With tied embeddings ``lm_head.weight`` is not written: Hugging Face re-ties it on load from
     ``tie_word_embeddings``, and safetensors refuses two names for one storage anyway.
     """
     from safetensors.torch import save_file
 
-    from course_lib.data import save_hf_tokenizer
+    from course_lib.tokenizer import save_hf_tokenizer
 
     cfg = getattr(model, "cfg", None)
     if cfg is None or not hasattr(model, "tok_embeddings"):
