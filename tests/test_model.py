@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from course_lib import configs
 from course_lib.model import Attention, Transformer, apply_rope, generate, next_token_loss, rope_cos_sin
