@@ -1,4 +1,4 @@
-"""Step time of course_lib.ddp against torch's DistributedDataParallel, side by side in one run.
+"""Step time of course_lib.parallel.data.ddp against torch's DistributedDataParallel, side by side in one run.
 
     .venv/bin/python benchmarks/bench_ddp.py                       # 2 and 4 ranks, tiny and small
     .venv/bin/python benchmarks/bench_ddp.py --worlds 2 --models tiny --repeats 3
@@ -24,10 +24,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from course_lib import configs, data
-from course_lib.ddp import DistributedDataParallel, split_batch
+from course_lib.model import config as configs
+from course_lib import data
+from course_lib.parallel.data.ddp import DistributedDataParallel, split_batch
 from course_lib.dist import launch
-from course_lib.model import Transformer, next_token_loss
+from course_lib.model.transformer import Transformer, next_token_loss
 
 SHAPES = {"tiny": (8, 64), "small": (8, 128)}  # global batch, sequence length
 

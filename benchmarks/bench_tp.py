@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_tp.py --tp 2 4 --steps 10
 
-Both start from the same dense ``course_lib.model.Transformer`` (config "small" with 8 query / 4 K/V
+Both start from the same dense ``course_lib.model.transformer.Transformer`` (config "small" with 8 query / 4 K/V
 heads, so t = 2 and 4 both divide them): course_lib's ``TPTransformer.from_dense`` with the
 vocab-parallel cross-entropy, and torch's ``parallelize_module`` with ColwiseParallel /
 RowwiseParallel on the same matrices (vocab-parallel embedding and output layer, ``loss_parallel``).
@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from course_lib import configs
+from course_lib.model import config as configs
 from course_lib.data import MarkovLanguage, make_dataset
 from course_lib.dist import Mesh, launch
-from course_lib.model import Transformer
-from course_lib.tp_model import TPTransformer
+from course_lib.model.transformer import Transformer
+from course_lib.parallel.tensor.model import TPTransformer
 
 
 def dtensor_model(dense: Transformer, t: int):

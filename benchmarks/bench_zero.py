@@ -16,7 +16,7 @@ fresh launches, the two implementations alternating):
   This includes everything a rank allocates — model states, activations, communication buckets,
   the full model built before it is sharded — the honest number on a CPU, where torch keeps no
   allocator statistics;
-* model states (course_lib only): the census of course_lib.zero, next to the ZeRO formula;
+* model states (course_lib only): the census of course_lib.parallel.data.zero, next to the ZeRO formula;
 * DeepSpeed's start-up allocation: the peak of deepspeed.initialize alone on the tiny model,
   a cost that does not grow with the model, reported so that it can be set apart.
 Timings on a shared 2-core machine vary by ±20% between runs; compare ratios within one run.
@@ -35,7 +35,7 @@ from pathlib import Path
 import psutil
 
 from course_lib.dist import launch
-from course_lib.memory import zero_model_state_bytes
+from course_lib.cost.memory import zero_model_state_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "solutions" / "lab03_zero"))
 
@@ -78,7 +78,7 @@ def main() -> None:
     if args.steps < 3:
         raise SystemExit("--steps must be at least 3: the first two are warm-up")
 
-    from course_lib import configs
+    from course_lib.model import config as configs
 
     overrides = {"d_model": args.d_model, "n_layers": args.layers, "d_ff": None}  # d_ff re-derived from d_model
     psi = configs.get("small", **overrides).n_params()

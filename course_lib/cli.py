@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from course_lib.grading import grade, starters
 
 ROOT = Path(__file__).resolve().parent.parent
 LECTURES = ROOT / "lectures"
@@ -24,7 +27,8 @@ def lectures(execute: bool, port: int | None, folder: Path = LECTURES, build: Pa
             cmd.append(f"--port={port}")
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             cmd.append("--allow-root")  # containers and CI run as root; Jupyter refuses without this
-        return subprocess.call(cmd)
+        # Become JupyterLab (same process): stopping this command stops the server, no orphan is left.
+        os.execv(sys.executable, cmd)
     build.mkdir(parents=True, exist_ok=True)
     failed = []
     for nb in sorted(folder.glob("*.ipynb")):
@@ -41,14 +45,24 @@ def lectures(execute: bool, port: int | None, folder: Path = LECTURES, build: Pa
 
 
 def test(extra: list[str]) -> int:
-    """Unit tests, nbval on every lecture (outputs compared), and every lab's grader both ways."""
+    """Unit tests, nbval on every lecture (outputs compared), and every lab's grader both ways.
+
+    Everything the suite and the programs it starts write to a temp folder (torch's compile cache,
+    torchrun's logs, pytest's tmp_path) goes to build/tmp, removed at the end: nothing is left behind.
+    """
+    tmp = ROOT / "build" / "tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     cmd = [
         sys.executable, "-m", "pytest", "tests", "lectures",
         "--nbval", "--nbval-current-env", f"--nbval-sanitize-with={LECTURES / 'sanitize.cfg'}",
         "--nbval-cell-timeout=300", *extra,
     ]
     print(" ".join(cmd[2:]), flush=True)
-    return subprocess.call(cmd, cwd=ROOT)
+    try:
+        return subprocess.call(cmd, cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp)})
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,11 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "test":
         return test(args.pytest_args)
     if args.command == "grade":
-        from course_lib import grade
-
         return grade.main(args.grade_args)
-    from course_lib import starters
-
     return starters.main(args.starter_args)
 
 

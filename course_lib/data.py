@@ -10,9 +10,9 @@ the course is plotted against a line it can approach but, up to sampling noise, 
 Reading order: drawing transition tables from a Dirichlet -> ``MarkovLanguage`` (the source, its
 stationary distribution, its entropies, sampling) -> ``TokenDataset`` (next-token windows, sharding,
 data-parallel batches). The vocabulary, its text form and its Hugging Face tokenizer are in
-:mod:`course_lib.tokenizer` (re-exported here).
+:mod:`course_lib.model.tokenizer` (re-exported here).
 
-Vocabulary (:mod:`course_lib.tokenizer`): 64 ids, of which 0..59 are symbol slots; a language with
+Vocabulary (:mod:`course_lib.model.tokenizer`): 64 ids, of which 0..59 are symbol slots; a language with
 n_symbols = m emits symbol s as token id s, so it uses ids 0..m-1. Sixty slots let a lecture build a harder language (more symbols) without changing the model's
 vocabulary; ids a language never emits cost the model nothing at the floor, it learns to give them
 probability ~0 within the first few dozen steps. Samples contain symbols only: the source is
@@ -36,22 +36,7 @@ from collections.abc import Iterator
 
 import torch
 
-# The vocabulary lives in course_lib.tokenizer; it is re-exported here because every user of the
-# data needs it (course_lib.data.VOCAB_SIZE, course_lib.data.decode, ...).
-from course_lib.tokenizer import (  # noqa: F401
-    BOS_ID,
-    EOS_ID,
-    N_SYMBOL_SLOTS,
-    PAD_ID,
-    SPECIAL_TOKENS,
-    SYMBOLS,
-    UNK_ID,
-    VOCAB,
-    VOCAB_SIZE,
-    decode,
-    encode,
-    save_hf_tokenizer,
-)
+from course_lib.model.tokenizer import N_SYMBOL_SLOTS, VOCAB_SIZE
 
 
 # ----------------------------------------------------------------------------------------------

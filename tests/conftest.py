@@ -1,4 +1,5 @@
 import socket
+from pathlib import Path
 
 import matplotlib
 
@@ -6,6 +7,10 @@ matplotlib.use("Agg")  # tests draw headless: no window, the same drawing
 
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
+
+# pyproject's --basetemp puts tmp_path under build/ (nothing in the system's temp folder); pytest
+# creates that folder but not its parent.
+(Path(__file__).resolve().parent.parent / "build").mkdir(exist_ok=True)
 
 
 @pytest.fixture(autouse=True)

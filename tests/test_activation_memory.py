@@ -1,4 +1,4 @@
-"""The per-layer activation-memory model (course_lib.activation_memory) against what autograd saves.
+"""The per-layer activation-memory model (course_lib.cost.activations) against what autograd saves.
 
 The brief asks for agreement within 10%; the model lists every tensor the course block saves, so
 the measured bytes come out equal, and 10% is the bound asserted (a change to model.py that saves
@@ -7,12 +7,9 @@ one more [b, s, h] tensor moves the total by ~5% and shows up in the message).
 
 import pytest
 
-from course_lib import configs
-from course_lib.activation_memory import (
-    activation_bytes_per_layer,
-    korthikanti_bytes_per_layer,
-    measure_layer_bytes,
-)
+from course_lib.model import config as configs
+from course_lib.cost.activations import activation_bytes_per_layer, korthikanti_bytes_per_layer
+from course_lib.measure.activations import measure_layer_bytes
 
 CFG = configs.get("tiny", n_heads=8, n_kv_heads=4)
 TOLERANCE = 0.10

@@ -9,6 +9,7 @@ import urllib.request
 from pathlib import Path
 
 import nbformat
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,9 +37,13 @@ def test_command_a_serves_the_lectures_in_jupyterlab(tmp_path, free_port):
         assert expected <= served, f"JupyterLab must serve lectures/: missing {expected - served}"
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/lab?token=course-test", timeout=5) as r:
             assert r.status == 200 and b"JupyterLab" in r.read()
+        tree = [server.pid] + [c.pid for c in psutil.Process(server.pid).children(recursive=True)]
     finally:
         server.terminate()
         server.wait(timeout=30)
+    time.sleep(0.5)
+    alive = [pid for pid in tree if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"stopping command A must stop JupyterLab too; still running: {alive}"
 
 
 def test_command_a_headless_executes_notebooks_to_html(tmp_path):

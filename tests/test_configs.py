@@ -9,8 +9,9 @@ import dataclasses
 
 import pytest
 
-from course_lib import configs, data
-from course_lib.configs import ModelConfig
+from course_lib.model import config as configs
+from course_lib.model import tokenizer
+from course_lib.model.config import ModelConfig
 
 B = 1e9
 
@@ -112,8 +113,8 @@ def test_moe_layers_of_deepseek_v3():
 
 def test_course_configs():
     tiny, small = configs.get("tiny"), configs.get("small")
-    assert tiny.vocab_size == small.vocab_size == data.VOCAB_SIZE, (
-        "the course models must use course_lib.data.VOCAB_SIZE, or the data's token ids overflow the embedding"
+    assert tiny.vocab_size == small.vocab_size == tokenizer.VOCAB_SIZE, (
+        "the course models must use course_lib.model.tokenizer.VOCAB_SIZE, or the data's token ids overflow the embedding"
     )
     shape = lambda c: (c.d_model, c.n_layers, c.n_heads, c.n_kv_heads, c.max_seq_len)  # noqa: E731
     assert shape(tiny) == (64, 2, 4, 2, 64) and shape(small) == (128, 4, 4, 2, 128)

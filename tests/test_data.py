@@ -12,18 +12,16 @@ import pytest
 import torch
 
 from course_lib import data
-from course_lib.data import (
+from course_lib.data import MarkovLanguage, TokenDataset, make_dataset
+from course_lib.model.tokenizer import (
     BOS_ID,
     EOS_ID,
     PAD_ID,
     UNK_ID,
     VOCAB,
     VOCAB_SIZE,
-    MarkovLanguage,
-    TokenDataset,
     decode,
     encode,
-    make_dataset,
     save_hf_tokenizer,
 )
 

@@ -1,7 +1,7 @@
-"""course_lib.ddp against torch's DistributedDataParallel and against single-process training.
+"""course_lib.parallel.data.ddp against torch's DistributedDataParallel and against single-process training.
 
 Bit-equality with torch DDP needs the same buckets, the same layout inside each bucket and the
-same pre-division by W (see the module docstring of course_lib/ddp.py). Torch DDP spends its
+same pre-division by W (see the module docstring of course_lib/parallel/data/ddp.py). Torch DDP spends its
 first iteration with a single bucket holding every gradient (it does not yet know the order in
 which gradients arrive) and rebuilds its buckets, in arrival order, at the next forward. So the
 torch reference takes one warm-up backward before the comparison starts; from then on its
@@ -20,10 +20,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from course_lib import configs, data
-from course_lib.ddp import DistributedDataParallel, assign_buckets, split_batch, trace_step
+from course_lib.model import config as configs
+from course_lib import data
+from course_lib.parallel.data.ddp import DistributedDataParallel, assign_buckets, split_batch
+from course_lib.measure.ddp import trace_step
 from course_lib.dist import counter, launch, trace
-from course_lib.model import Transformer, next_token_loss
+from course_lib.model.transformer import Transformer, next_token_loss
 
 ROOT = Path(__file__).resolve().parent.parent
 CAP_MB = 0.05  # ~52 KB: the tiny model (417 KiB of gradients) gets 5 buckets
@@ -126,7 +128,7 @@ def test_pre_division_is_what_makes_three_ranks_bit_equal():
     assert pre == 0, f"at W=3, {pre} gradient elements differ from torch DDP with pre-division g·(1/W)"
     assert post > 0, (
         "dividing after the sum should differ from torch at W=3 (Σ g·(1/3) and (Σ g)/3 round differently); "
-        "if it does not, torch changed how it averages and the docstring of course_lib/ddp.py is out of date"
+        "if it does not, torch changed how it averages and the docstring of course_lib/parallel/data/ddp.py is out of date"
     )
 
 

@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -121,6 +122,23 @@ def test_a_rank_that_hangs_times_out_naming_it_and_nothing_is_left(tmp_path):
         assert info.value.ranks == [0, 1] or info.value.ranks == [1]
     assert "rank 1" in msg and "time.sleep(0.05)" in msg, f"the message must show where rank 1 hung:\n{msg}"
     _assert_nothing_left(tmp_path, 2)
+
+
+@pytest.mark.parametrize("outcome", ["return", "raise", "hang"])
+def test_launch_leaves_nothing_in_the_temp_folder(outcome, tmp_path, monkeypatch):
+    """The stack-dump folder a launch makes (to say where a hung rank waits) goes when the launch ends."""
+    launch(_rank_sum, 1, 1.0)  # multiprocessing's fork server (and its socket folder) lives for the session
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    work = tmp_path / "work"
+    work.mkdir()
+    try:
+        launch(_spawn_orphan_then, 2, outcome, work, timeout=4) if outcome != "return" else launch(_rank_sum, 2, 1.0)
+    except (RankError, LaunchTimeout):
+        assert outcome != "return"
+    left = sorted(p.name for p in scratch.iterdir())
+    assert not left, f"launch ({outcome}) left {left} in the temp folder: remove what it creates in its finally block"
 
 
 def test_bad_world_size():

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.dist import launch
-from course_lib.grade import Result, Task, report, run_task
+from course_lib.grading.grade import Result, Task, report, run_task
 
 
 def _passes(lab_dir):

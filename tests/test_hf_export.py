@@ -9,8 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from course_lib import configs, data
-from course_lib.model import Transformer, export_hf, generate
+from course_lib.model import config as configs
+from course_lib.model import tokenizer as course_tokenizer
+from course_lib.model.transformer import Transformer, generate
+from course_lib.model.hf_export import export_hf
 
 PROMPT = "ba de fi go ku la me ni"
 
@@ -39,13 +41,13 @@ def test_checkpoint_files_and_names(exported):
     assert ("lm_head.weight" in names) == (not model.cfg.tie_embeddings), (
         "lm_head.weight is written only for untied embeddings; tied checkpoints re-tie it on load"
     )
-    assert (path / "tokenizer.json").exists(), "export_hf must write the tokenizer (data.save_hf_tokenizer)"
+    assert (path / "tokenizer.json").exists(), "export_hf must write the tokenizer (tokenizer.save_hf_tokenizer)"
 
 
 def test_tokenizer_matches_course_encoding(exported):
     _, _, tokenizer, _ = exported
-    assert tokenizer(PROMPT)["input_ids"] == data.encode(PROMPT), (
-        "the exported tokenizer must give the same ids as course_lib.data.encode"
+    assert tokenizer(PROMPT)["input_ids"] == course_tokenizer.encode(PROMPT), (
+        "the exported tokenizer must give the same ids as course_lib.model.tokenizer.encode"
     )
 
 
@@ -87,7 +89,7 @@ def test_greedy_generation_matches_transformers(exported):
     with torch.no_grad():
         theirs = hf.generate(prompt, max_new_tokens=20, do_sample=False)
     assert torch.equal(ours, theirs), (
-        f"greedy decoding differs:\n  course_lib:   {data.decode(ours[0])}\n  transformers: "
-        f"{data.decode(theirs[0])}\n(transformers uses a KV cache; equal logits must give equal argmaxes "
+        f"greedy decoding differs:\n  course_lib:   {course_tokenizer.decode(ours[0])}\n  transformers: "
+        f"{course_tokenizer.decode(theirs[0])}\n(transformers uses a KV cache; equal logits must give equal argmaxes "
         f"unless two logits tie to within ~1e-6)"
     )

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from course_lib import grade, starters
+from course_lib.grading import grade
+from course_lib.grading import starters
 
 ROOT = Path(__file__).resolve().parent.parent
 LABS = sorted(p.name for p in (ROOT / "solutions").glob("lab*") if p.is_dir())

@@ -1,13 +1,13 @@
-"""ZeRO's memory and communication formulas (course_lib.memory) against measurement (course_lib.zero)."""
+"""ZeRO's memory and communication formulas (course_lib.cost) against measurement (course_lib.measure.zero)."""
 
 import pytest
 import torch
 import torch.nn as nn
 
-from course_lib.memory import (
-    held_bytes, measure_stages, measured_comm_bytes, measured_state_bytes, paper_comm_volume, ring_wire_bytes,
-    zero_comm_bytes, zero_model_state_bytes,
-)
+from course_lib.dist.census import held_bytes
+from course_lib.measure.zero import measure_stages, measured_comm_bytes, measured_state_bytes
+from course_lib.cost.comm import paper_comm_volume, ring_wire_bytes, zero_comm_bytes
+from course_lib.cost.memory import zero_model_state_bytes
 
 GB = 1e9
 

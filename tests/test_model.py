@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from course_lib import configs
-from course_lib.model import Attention, Transformer, apply_rope, generate, next_token_loss, rope_cos_sin
+from course_lib.model import config as configs
+from course_lib.model.transformer import Attention, Transformer, apply_rope, generate, next_token_loss, rope_cos_sin
 
 
 def _model(seed=0, **overrides):

@@ -1,4 +1,4 @@
-"""course_lib.numerics: format table vs torch.finfo and vs rounding, fp4 emulation, loss scaling."""
+"""course_lib.precision.formats: format table vs torch.finfo and vs rounding, fp4 emulation, loss scaling."""
 
 import math
 
@@ -6,8 +6,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from course_lib import numerics
-from course_lib.numerics import FORMATS, DynamicLossScaler
+from course_lib.precision import formats as numerics
+from course_lib.precision.formats import FORMATS
+from course_lib.precision.scaling import DynamicLossScaler
+from course_lib.precision import scaling
+from course_lib.cost import alignment
 
 TORCH_FORMATS = [n for n, f in FORMATS.items() if f.dtype is not None]
 LOW_PRECISION = [n for n in FORMATS if n != "fp32"]
@@ -151,14 +154,14 @@ def test_loss_scaler_misuse_is_explained():
 def test_unscaled_gradients_are_exact():
     p = nn.Parameter(torch.ones(3))
     p.grad = torch.tensor([3e-8, 1.0, 7.5]) * 2.0**16
-    numerics.DynamicLossScaler().unscale_(torch.optim.SGD([p], lr=1.0))
+    scaling.DynamicLossScaler().unscale_(torch.optim.SGD([p], lr=1.0))
     assert torch.equal(p.grad, torch.tensor([3e-8, 1.0, 7.5])), "dividing by a power of two is exact"
 
 
 # ---- shape alignment --------------------------------------------------------------------------------
 
 def test_tile_utilisation():
-    assert numerics.pad_to_multiple(4095, 8) == 4096 and numerics.pad_to_multiple(64, 8) == 64
-    assert numerics.tile_utilisation(4096, 4096, 4096) == 1.0
-    assert numerics.tile_utilisation(4097, 4096, 4096) == pytest.approx(4097 / (4096 + 128))
-    assert numerics.tile_utilisation(100, 100, 100, tile=(16, 16, 16)) == pytest.approx(1e6 / 112**3)
+    assert alignment.pad_to_multiple(4095, 8) == 4096 and alignment.pad_to_multiple(64, 8) == 64
+    assert alignment.tile_utilisation(4096, 4096, 4096) == 1.0
+    assert alignment.tile_utilisation(4097, 4096, 4096) == pytest.approx(4097 / (4096 + 128))
+    assert alignment.tile_utilisation(100, 100, 100, tile=(16, 16, 16)) == pytest.approx(1e6 / 112**3)

@@ -6,9 +6,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-from course_lib import configs, optim
+from course_lib.model import config as configs
+from course_lib.optim import optimizers as optim
 from course_lib.data import MarkovLanguage, make_dataset
-from course_lib.model import Transformer
+from course_lib.model.transformer import Transformer
+from course_lib.cost import memory as cost_memory
+from course_lib.dist import census
 
 
 def _tiny_and_batches(n_batches=4):
@@ -155,13 +158,13 @@ EXPECTED_BYTES_PER_PARAM = {"sgd": 0, "momentum": 4, "adam": 8, "adamw": 8, "lio
 
 @pytest.mark.parametrize("name", list(EXPECTED_BYTES_PER_PARAM))
 def test_state_bytes_per_param_fp32(name):
-    assert optim.state_bytes_per_param(name) == EXPECTED_BYTES_PER_PARAM[name]
+    assert cost_memory.state_bytes_per_param(name) == EXPECTED_BYTES_PER_PARAM[name]
 
 
 def test_adafactor_state_is_rows_plus_columns():
-    assert optim.state_bytes("adafactor", [(1024, 256)]) == 4 * (1024 + 256)
-    assert optim.state_bytes("adafactor", [(1024,)]) == 4 * 1024, "vectors keep the full second moment"
-    assert optim.state_bytes_per_param("adafactor", [(4096, 4096)]) == pytest.approx(4 * 2 / 4096)
+    assert cost_memory.state_bytes("adafactor", [(1024, 256)]) == 4 * (1024 + 256)
+    assert cost_memory.state_bytes("adafactor", [(1024,)]) == 4 * 1024, "vectors keep the full second moment"
+    assert cost_memory.state_bytes_per_param("adafactor", [(4096, 4096)]) == pytest.approx(4 * 2 / 4096)
 
 
 def _measure(make):
@@ -176,7 +179,7 @@ def _measure(make):
 @pytest.mark.parametrize("name", ["sgd", "momentum", "adam", "adamw", "lion", "adafactor"])
 def test_state_bytes_formula_matches_measured_state(name):
     model, opt = _measure(lambda p: optim.build(name, p))
-    assert optim.measured_state_bytes(opt) == optim.state_bytes(name, model.parameters()), (
+    assert census.optimizer_state_bytes(opt) == cost_memory.state_bytes(name, model.parameters()), (
         f"{name}: the bytes held in optimizer.state must equal the formula; a mismatch means the formula "
         "forgot a state tensor or the optimizer keeps one it should not")
 
@@ -189,14 +192,14 @@ def test_state_bytes_formula_matches_measured_state(name):
 ])
 def test_state_bytes_formula_matches_torch_optimizers(name, make):
     model, opt = _measure(make)
-    assert optim.measured_state_bytes(opt) == optim.state_bytes(name, model.parameters()), \
+    assert census.optimizer_state_bytes(opt) == cost_memory.state_bytes(name, model.parameters()), \
         f"torch.optim's {name} keeps a different amount of per-element state than state_bytes() says"
 
 
 def test_mixed_precision_adam_is_sixteen_bytes_per_param():
-    assert optim.training_bytes_per_param("adam") == 16, "ZeRO §3.1: 2 + 2 + (4 + 4 + 4)"
-    assert optim.training_bytes_per_param("adamw", param_bytes=4, grad_bytes=4, master_bytes=0) == 16
-    assert optim.training_bytes_per_param("sgd", param_bytes=4, grad_bytes=4, master_bytes=0) == 8
+    assert cost_memory.training_bytes_per_param("adam") == 16, "ZeRO §3.1: 2 + 2 + (4 + 4 + 4)"
+    assert cost_memory.training_bytes_per_param("adamw", param_bytes=4, grad_bytes=4, master_bytes=0) == 16
+    assert cost_memory.training_bytes_per_param("sgd", param_bytes=4, grad_bytes=4, master_bytes=0) == 8
 
 
 def test_bad_input_is_explained():
@@ -208,5 +211,5 @@ def test_bad_input_is_explained():
     with pytest.raises(ValueError, match="betas must be in"):
         optim.Lion(p, betas=(0.9, 1.0))
     with pytest.raises(ValueError, match="no parameters"):
-        optim.state_bytes_per_param("adam", [])
+        cost_memory.state_bytes_per_param("adam", [])
     assert optim.build("momentum", p).defaults["momentum"] == 0.9

@@ -2,7 +2,7 @@
 
 import pytest
 
-from course_lib import plots
+from course_lib.plots import basics as plots
 from course_lib.dist.trace import Span
 
 

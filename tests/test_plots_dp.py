@@ -3,7 +3,7 @@
 import pytest
 
 from course_lib.dist.trace import Span
-from course_lib.plots_dp import compute_segments, ddp_timeline, measured_vs_formula
+from course_lib.plots.data_parallel import compute_segments, ddp_timeline, measured_vs_formula
 
 
 def _step():

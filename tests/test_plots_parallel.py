@@ -1,25 +1,26 @@
-"""course_lib.plots_parallel: the helpers draw what they are given (read back from the Axes)."""
+"""course_lib.plots.context_parallel: the helpers draw what they are given (read back from the Axes)."""
 
 import numpy as np
 import pytest
 
-from course_lib import plots_parallel
+from course_lib.plots import context_parallel as plots_parallel
+from course_lib.parallel.context import ring_attention
 
 
 def test_chunk_owners_follow_the_library_layouts():
-    assert plots_parallel.chunk_owners(4, "contiguous") == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert plots_parallel.chunk_owners(4, "zigzag") == [0, 1, 2, 3, 3, 2, 1, 0], (
-        "zigzag gives rank r chunks r and 2N-1-r (course_lib.ring_attention.zigzag_chunks)")
+    assert ring_attention.chunk_owners(4, "contiguous") == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert ring_attention.chunk_owners(4, "zigzag") == [0, 1, 2, 3, 3, 2, 1, 0], (
+        "zigzag gives rank r chunks r and 2N-1-r (course_lib.parallel.context.ring_attention.zigzag_chunks)")
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_causal_work_grid_labels_every_unmasked_pair_with_its_rank(layout):
     world = 3
-    ax = plots_parallel.causal_work_grid(world, layout)
+    ax = plots_parallel.causal_work_grid(ring_attention.chunk_owners(world, layout))
     labels = [int(t.get_text()) for t in ax.texts]
     n = 2 * world
     assert len(labels) == n * (n + 1) // 2, "one label per (query chunk, key chunk) pair on or below the diagonal"
-    owners = plots_parallel.chunk_owners(world, layout)
+    owners = ring_attention.chunk_owners(world, layout)
     # text i-th written row by row: (0,0), (1,0), (1,1), (2,0), ...
     want = [owners[i] for i in range(n) for _ in range(i + 1)]
     assert labels == want, "each pair is computed by the rank that owns its query chunk"

@@ -1,4 +1,4 @@
-"""Ring attention (course_lib.ring_attention) against full causal attention, forward and backward.
+"""Ring attention (course_lib.parallel.context.ring_attention) against full causal attention, forward and backward.
 
 Tolerance. Everything is fp32. The ring computes each query row's softmax in pieces, one K/V
 block at a time, and merges them by log-sum-exp; torch's scaled_dot_product_attention sums the
@@ -13,9 +13,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from course_lib import ring_attention as ra
-from course_lib import ulysses
+from course_lib.parallel.context import ring_attention as ra
+from course_lib.parallel.context import ulysses
 from course_lib.dist import Mesh, counter, device, launch
+from course_lib.cost import comm
+from course_lib.cost import activations as cost_activations
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 B, H, HKV, D = 2, 4, 2, 8  # grouped-query: two query heads per K/V head
@@ -145,7 +147,7 @@ def test_zigzag_gives_every_rank_the_same_work_and_contiguous_does_not(world):
 def test_ring_sends_n_minus_1_kv_blocks_forward_as_the_formula_says(world):
     s = 16 * world
     results = launch(_ring_rank, world, s, "zigzag", timeout=60)
-    want = ra.ring_comm_bytes(B, s, HKV, D, world)
+    want = comm.ring_comm_bytes(B, s, HKV, D, world)
     block = B * HKV * (s // world) * D * 4
     assert want["forward_bytes"] == 2 * (world - 1) * block
     for rank, (*_, fwd, bwd) in enumerate(results):
@@ -220,12 +222,12 @@ def test_memory_model_matches_what_autograd_saves(world):
     s, h, hkv = 32, 8, 4  # Ulysses at N = 4 needs 4 | h_kv
     q, k, v, _ = (t.requires_grad_() for t in _inputs(s, h, hkv))
     measured = {"none": _saved_bytes(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))}
-    model = {"none": ra.attention_memory_per_rank(s, h, hkv, D, 1, "none", B)["saved"]}
+    model = {"none": cost_activations.attention_memory_per_rank(s, h, hkv, D, 1, "none", B)["saved"]}
     for method in ("ulysses", "ring"):
         per_rank = launch(_saved_rank, world, s, method, h, hkv, timeout=60)
         assert len(set(per_rank)) == 1, f"{method}: every rank should keep the same bytes, got {per_rank}"
         measured[method] = per_rank[0]
-        model[method] = ra.attention_memory_per_rank(s, h, hkv, D, world, method, B)["saved"]
+        model[method] = cost_activations.attention_memory_per_rank(s, h, hkv, D, world, method, B)["saved"]
     assert measured == model, f"bytes saved for backward per rank: measured {measured}, model {model}"
 
 

@@ -1,4 +1,4 @@
-"""Megatron sequence parallelism (course_lib.sequence_parallel) against the dense course model.
+"""Megatron sequence parallelism (course_lib.parallel.tensor.sequence) against the dense course model.
 
 Same tolerance as tests/test_tensor_parallel.py: 1e-5 of each tensor's largest magnitude, because
 the reduce-scatters add the t partial products in another order than the dense matmul (measured
@@ -9,19 +9,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib import configs
+from course_lib.model import config as configs
 from course_lib.dist import Mesh, launch
-from course_lib.model import Transformer
-from course_lib.sequence_parallel import (
-    all_gather_sequence,
-    collectives_per_layer,
-    reduce_scatter_sequence,
-    shard_sequence,
-    sync_sequence_parallel_grads,
-    wire_bytes,
-)
-from course_lib.tensor_parallel import shard_of
-from course_lib.tp_model import TPBlock, TPTransformer
+from course_lib.model.transformer import Transformer
+from course_lib.parallel.tensor.comms import all_gather_sequence, reduce_scatter_sequence
+from course_lib.measure.tensor_parallel import collectives_per_layer
+from course_lib.parallel.tensor.sequence import shard_sequence, sync_sequence_parallel_grads
+from course_lib.cost.comm import ring_wire_bytes
+from course_lib.parallel.tensor.layers import shard_of
+from course_lib.parallel.tensor.model import TPBlock, TPTransformer
 
 RTOL = 1e-5
 CFG = configs.get("tiny", n_heads=8, n_kv_heads=4)
@@ -106,11 +102,11 @@ def test_sp_replaces_the_all_reduces_by_all_gather_and_reduce_scatter_of_the_sam
         f"TP+SP backward: 2 reduce-scatters (f's gradient sums), 2 all-gathers (g's), and 2 all-gathers that rebuild "
         f"the stored input shards; got {calls['backward']}")
     # Korthikanti §4.2.2: all-reduce = reduce-scatter + all-gather, so the wire volume is unchanged
-    assert wire_bytes(sp["forward"], t) == wire_bytes(tp_["forward"], t), (
+    assert ring_wire_bytes(sp["forward"], t) == ring_wire_bytes(tp_["forward"], t), (
         "TP+SP must send exactly the ring bytes of TP in the forward pass: "
-        f"{wire_bytes(sp['forward'], t)} vs {wire_bytes(tp_['forward'], t)}")
+        f"{ring_wire_bytes(sp['forward'], t)} vs {ring_wire_bytes(tp_['forward'], t)}")
     regather = 2 * (t - 1) * full // t  # two all-gathers of a [b, s/t, h] shard
-    assert wire_bytes(sp["backward"], t) == wire_bytes(tp_["backward"], t) + regather, (
+    assert ring_wire_bytes(sp["backward"], t) == ring_wire_bytes(tp_["backward"], t) + regather, (
         "TP+SP backward = TP's volume plus the two re-gathers of stored shards (Korthikanti §4.2.2)")
     norm_bytes = 2 * CFG.d_model * 4
     assert sp["norm gradients"] == {"all_reduce@tp": {"calls": 1, "bytes": norm_bytes}}, (

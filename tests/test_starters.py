@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from course_lib.starters import strip_notebook, strip_source
+from course_lib.grading.starters import strip_notebook, strip_source
 
 SOURCE = '''def f(x):
     """Doc."""
@@ -55,7 +55,7 @@ def test_notebook_cells_are_stripped_and_their_outputs_cleared():
 
 
 def test_starters_never_point_into_solutions(tmp_path):
-    from course_lib.starters import generate
+    from course_lib.grading.starters import generate
 
     (tmp_path / "solutions" / "accelerate").mkdir(parents=True)
     (tmp_path / "solutions" / "accelerate" / "ds.yaml").write_text("deepspeed_config_file: solutions/deepspeed/zero3.json\n")

@@ -1,4 +1,4 @@
-"""Megatron tensor parallelism (course_lib.tensor_parallel) against the dense course model and torch DTensor.
+"""Megatron tensor parallelism (course_lib.parallel.tensor) against the dense course model and torch DTensor.
 
 Tolerance. Column-parallel outputs are the dense dot products, but row-parallel layers (wo, w2) and
 the input gradients of f add t partial sums Σ_i X_i·A_i in another order than one long dot product,
@@ -14,20 +14,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from course_lib import configs
+from course_lib.model import config as configs
 from course_lib.data import MarkovLanguage, make_dataset
 from course_lib.dist import Mesh, counter, launch
-from course_lib.model import Transformer
-from course_lib.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    copy_to_tensor_parallel_region,
-    reduce_from_tensor_parallel_region,
-    shard_of,
-    vocab_parallel_cross_entropy,
-)
-from course_lib.tp_model import TPMLP, TPBlock, TPTransformer
+from course_lib.model.transformer import Transformer
+from course_lib.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, shard_of, vocab_parallel_cross_entropy
+from course_lib.parallel.tensor.comms import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
+from course_lib.parallel.tensor.model import TPBlock, TPMLP, TPTransformer
 
 RTOL = 1e-5  # of the largest magnitude: see the module docstring
 # 8 query heads and 4 K/V heads: tensor parallel sizes 2 and 4 both divide them, and GQA groups of 2 stay whole

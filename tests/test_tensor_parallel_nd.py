@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from course_lib.dist import counter, launch
-from course_lib.tensor_parallel_nd import comm_elements, matmul_2d, matmul_2p5d, matmul_3d
+from course_lib.cost.comm import comm_elements
+from course_lib.parallel.tensor.nd import matmul_2d, matmul_2p5d, matmul_3d
 
 B, H, N = 16, 8, 12  # tokens, hidden in, hidden out: divisible by every grid used below
 

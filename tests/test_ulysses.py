@@ -1,4 +1,4 @@
-"""DeepSpeed-Ulysses (course_lib.ulysses) against full causal attention, forward and backward.
+"""DeepSpeed-Ulysses (course_lib.parallel.context.ulysses) against full causal attention, forward and backward.
 
 Tolerance: none on CPU. The all-to-alls only move numbers, and each rank then runs the same
 scaled_dot_product_attention kernel on whole heads over the whole sequence; heads do not interact,
@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from course_lib import ulysses
+from course_lib.parallel.context import ulysses
 from course_lib.dist import Mesh, RankError, counter, device, launch
+from course_lib.cost import comm
 
 B, H, HKV, D = 2, 8, 4, 8  # grouped-query attention; 2 and 4 divide both head counts
 
@@ -96,7 +97,7 @@ def test_ulysses_on_the_cp_groups_of_a_mesh():
 @pytest.mark.parametrize("world", [2, 4])
 def test_four_all_to_alls_each_way_carry_the_formula_bytes(world):
     s = 8 * world
-    want = ulysses.ulysses_comm_bytes(B, s, H, HKV, D, world)
+    want = comm.ulysses_comm_bytes(B, s, H, HKV, D, world)
     assert want["payload_per_rank"] == B * (s // world) * (2 * H + 2 * HKV) * D * 4
     for rank, r in enumerate(launch(_ulysses_rank, world, s, timeout=60)):
         fwd, bwd = r[4], r[5]
@@ -113,9 +114,9 @@ def test_four_all_to_alls_each_way_carry_the_formula_bytes(world):
 
 def test_divisibility_errors_name_the_constraint_and_the_fix():
     with pytest.raises(ValueError, match=r"degree 3 does not divide 8 query heads.*among \[1, 2, 4, 8\]"):
-        ulysses.check_divisible(8, 8, 3)
+        comm.check_ulysses_divisible(8, 8, 3)
     with pytest.raises(ValueError, match=r"degree 4 does not divide 2 key/value heads.*repeat the K/V heads"):
-        ulysses.check_divisible(8, 2, 4)
+        comm.check_ulysses_divisible(8, 2, 4)
     with pytest.raises(ValueError, match="sequence length 10 is not divisible by the Ulysses degree 4"):
         ulysses.split(torch.zeros(1, 4, 10, 2), 0, 4)
     with pytest.raises(RankError, match="degree 2 does not divide 3 query heads"):

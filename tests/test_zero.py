@@ -1,6 +1,6 @@
-"""ZeRO stages 0-3 (course_lib.zero) against torch DDP + torch AdamW, and the invariants of each stage.
+"""ZeRO stages 0-3 (course_lib.parallel.data.zero) against torch DDP + torch AdamW, and the invariants of each stage.
 
-Why bit-equality is possible in fp32 at N = 2: AdamW is elementwise and course_lib.zero.adamw_
+Why bit-equality is possible in fp32 at N = 2: AdamW is elementwise and course_lib.optim.optimizers.adamw_
 applies torch's AdamW operations (foreach=False) in torch's order, so an element gets the same
 update whether it sits in a parameter tensor or in a shard of a flat buffer; and the averaged
 gradient g_0/2 + g_1/2 is the same float whichever collective adds it (a sum of two numbers does
@@ -20,10 +20,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from course_lib import configs
+from course_lib.model import config as configs
 from course_lib.dist import counter, launch
-from course_lib.model import Transformer, next_token_loss
-from course_lib.zero import Zero, units
+from course_lib.model.transformer import Transformer, next_token_loss
+from course_lib.parallel.data.zero import Zero, units
 
 LR, WD, STEPS = 3e-3, 0.1, 5
 

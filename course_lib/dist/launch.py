@@ -16,7 +16,7 @@ How it works, and why each piece is there:
   A rank that never returns: after ``timeout`` seconds the caller gets :class:`LaunchTimeout`
   naming the ranks that did not finish and the line each was waiting on (Python's faulthandler
   dumps their stacks). Either way, every rank — and anything a rank started — is killed before the
-  error is raised: no process is left behind.
+  error is raised: no process is left behind, and the folder of stack dumps is removed.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import os
 import pickle
 import queue as queue_mod
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -215,6 +216,7 @@ def launch(fn: Callable, world_size: int, *args, timeout: float = DEFAULT_TIMEOU
         _replay(output)
         q.close()
         del store
+        shutil.rmtree(stack_dir, ignore_errors=True)  # leave nothing behind in the temp folder
 
 
 def _receive(q, results: dict, output: dict, wait: float | None) -> tuple[int, str] | None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from course_lib.dist import counter
+from course_lib.dist import intercept
 
 AXES = ("dp", "pp", "cp", "tp")
 
@@ -70,7 +70,7 @@ class Mesh:
                 group = dist.new_group(ranks)
                 if me in ranks:
                     self._groups[axis], self._ranks[axis] = group, ranks
-                    counter.name_group(group, axis)
+                    intercept.name_group(group, axis)
 
     def _check(self, axis: str) -> None:
         if axis not in self.sizes:

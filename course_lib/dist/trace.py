@@ -3,7 +3,7 @@
     with trace.record() as timeline:
         with trace.span("forward"):
             ...
-        dist.all_reduce(grad)             # recorded by course_lib.dist.counter as a "comm" span
+        dist.all_reduce(grad)             # recorded as a "comm" span (course_lib.dist.intercept)
     timeline.spans  # [Span(name="forward", kind="compute", ...), Span(name="all_reduce", kind="comm", ...)]
 
 Every plot of overlap (DDP buckets during backward, pipeline schedules, MoE dispatch) and every
@@ -22,7 +22,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 
-from course_lib.dist import runtime
+from course_lib.dist import intercept, runtime
 
 
 @dataclass
@@ -54,6 +54,15 @@ class Timeline:
     def named(self, name: str) -> list[Span]:
         return [s for s in self.spans if s.name == name]
 
+    def observe(self, op: str, group: str, nbytes: int):
+        """The interception's callback: a comm span that ends when the operation (or its wait) returns."""
+        s = self.add(op, "comm", now(), now(), group=group, bytes=nbytes)
+
+        def finish() -> None:
+            s.end = now()
+
+        return finish
+
 
 _ACTIVE: list[Timeline] = []
 
@@ -70,12 +79,10 @@ def active() -> Timeline | None:
 @contextlib.contextmanager
 def record():
     """Record every span of this rank until the block ends; yields the :class:`Timeline`."""
-    from course_lib.dist import counter  # the counter's interception is what records comm spans
-
     tl = Timeline(runtime.rank())
     _ACTIVE.append(tl)
     try:
-        with counter.count():
+        with intercept.observe(tl.observe):
             yield tl
     finally:
         _ACTIVE.remove(tl)

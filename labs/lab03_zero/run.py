@@ -23,11 +23,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from zero import ZeroAdamW  # noqa: E402
 
-from course_lib import configs  # noqa: E402
+from course_lib.model import config as configs  # noqa: E402
 from course_lib import dist as cdist  # noqa: E402
 from course_lib.dist import counter  # noqa: E402
-from course_lib.memory import held_bytes, ring_wire_bytes, zero_comm_bytes, zero_model_state_bytes  # noqa: E402
-from course_lib.model import Transformer, next_token_loss  # noqa: E402
+from course_lib.dist.census import held_bytes
+from course_lib.cost.comm import ring_wire_bytes, zero_comm_bytes
+from course_lib.cost.memory import zero_model_state_bytes  # noqa: E402
+from course_lib.model.transformer import Transformer, next_token_loss  # noqa: E402
 
 LR, WD = 3e-3, 0.1
 

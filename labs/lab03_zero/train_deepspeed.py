@@ -5,7 +5,7 @@
 
 The accelerate config names a DeepSpeed JSON (``labs/deepspeed/zeroN.json``): ZeRO stage,
 micro-batch, and the optimizer ("AdamW" with ``torch_adam``: torch's own AdamW, so no fused Adam
-is JIT-compiled). The script trains with it, then trains ``course_lib.zero.Zero`` of the same
+is JIT-compiled). The script trains with it, then trains ``course_lib.parallel.data.zero.Zero`` of the same
 stage on the same model, data and seed in the same processes, and prints both loss curves.
 
 On CPU the run is fp32 (DeepSpeed's CPU accelerator has no fp16, and the comparison is cleanest
@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from course_lib import configs
+from course_lib.model import config as configs
 from course_lib.data import MarkovLanguage, make_dataset
 from course_lib.dist import backend, device
-from course_lib.model import Transformer, next_token_loss
-from course_lib.zero import Zero
+from course_lib.model.transformer import Transformer, next_token_loss
+from course_lib.parallel.data.zero import Zero
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "deepspeed"  # labs/deepspeed (labs/deepspeed)
 

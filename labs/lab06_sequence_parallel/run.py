@@ -22,8 +22,10 @@ import sequence_parallel as sp  # noqa: E402
 
 from course_lib import dist as cdist  # noqa: E402
 from course_lib.dist import counter  # noqa: E402
-from course_lib.ring_attention import attention_memory_per_rank, ring_comm_bytes, shard, unshard  # noqa: E402
-from course_lib.ulysses import ulysses_comm_bytes  # noqa: E402
+from course_lib.cost.activations import attention_memory_per_rank
+from course_lib.cost.comm import ring_comm_bytes
+from course_lib.parallel.context.ring_attention import shard, unshard  # noqa: E402
+from course_lib.cost.comm import ulysses_comm_bytes  # noqa: E402
 
 
 def gather(x: torch.Tensor) -> list[torch.Tensor]:

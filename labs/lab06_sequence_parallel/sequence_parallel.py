@@ -11,7 +11,7 @@ the sequence is cut into 2N chunks of c = s/2N tokens and rank r holds chunks r 
 that order — L = 2c rows, first its early chunk, then its late one. (``shard`` and ``unshard``,
 given, cut and reassemble.)
 
-Given, from course_lib.ring_attention (read their docstrings):
+Given, from course_lib.parallel.context.ring_attention (read their docstrings):
     block_attention(q, k, v, causal)  -> (out, lse)   fp32 attention of one block pair + log-sum-exp
     block_attention_backward(dout, q, k, v, out, lse, causal) -> (dq, dk, dv)   with the FINAL out, lse
 ``causal=True`` needs a square block whose rows and columns are the same positions (a diagonal).
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from course_lib.ring_attention import block_attention, block_attention_backward, shard, unshard  # noqa: F401
+from course_lib.parallel.context.ring_attention import block_attention, block_attention_backward, shard, unshard  # noqa: F401
 
 
 def neighbours(group=None) -> tuple[int, int, int, int]:

@@ -21,11 +21,12 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ddp import DDP  # noqa: E402
 
-from course_lib import configs, data  # noqa: E402
+from course_lib.model import config as configs
+from course_lib import data  # noqa: E402
 from course_lib import dist as cdist  # noqa: E402
-from course_lib.ddp import split_batch  # noqa: E402
+from course_lib.parallel.data.ddp import split_batch  # noqa: E402
 from course_lib.dist import counter  # noqa: E402
-from course_lib.model import Transformer, next_token_loss  # noqa: E402
+from course_lib.model.transformer import Transformer, next_token_loss  # noqa: E402
 
 
 def main() -> None:

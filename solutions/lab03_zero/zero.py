@@ -13,7 +13,7 @@ parallelism one model state at a time. With N ranks, rank r owns the r-th 1/N of
 (Stage 0, plain DDP, is given for comparison.) A *unit* is a child module of the model, each
 ModuleList entry on its own. Each unit's parameters are copied into one flat fp32 buffer whose
 length is padded up to a multiple of N, so it splits into N equal shards; the parameters become
-views of that buffer. Everything here is fp32 (course_lib.zero adds bf16 and CPU offload).
+views of that buffer. Everything here is fp32 (course_lib.parallel.data.zero adds bf16 and CPU offload).
 
 Communicate with ``dist.reduce_scatter_single(output, input, group=...)`` and
 ``dist.all_gather_single(output, input, group=...)``, called through ``torch.distributed as dist``.

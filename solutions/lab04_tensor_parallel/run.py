@@ -4,7 +4,7 @@
     accelerate launch --config_file labs/accelerate/cpu.yaml --num_processes 2 labs/lab04_tensor_parallel/run.py
 
 Model: token embedding -> x + MLP(x) -> output layer -> cross-entropy, i.e. a bigram-style model without
-attention (attention heads split the same way as the MLP: see course_lib.tp_model.TPAttention).
+attention (attention heads split the same way as the MLP: see course_lib.parallel.tensor.model.TPAttention).
 All ranks form one tensor-parallel group and read the same batches; the dense twin is built from the
 same seed and trained on every rank, so the two loss curves can be compared line by line.
 """
@@ -27,7 +27,8 @@ from tensor_parallel import (  # noqa: E402
 )
 
 from course_lib import dist as cdist  # noqa: E402
-from course_lib.data import VOCAB_SIZE, MarkovLanguage, make_dataset  # noqa: E402
+from course_lib.model.tokenizer import VOCAB_SIZE
+from course_lib.data import MarkovLanguage, make_dataset  # noqa: E402
 from course_lib.dist import counter  # noqa: E402
 
 

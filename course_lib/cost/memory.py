@@ -1,0 +1,121 @@
+"""Memory of training: model states under ZeRO, optimizer state per parameter. Pure arithmetic.
+
+The ZeRO paper (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models", SC 2020, arXiv:1910.02054, §3.1 and §5) splits what a data-parallel rank holds into *model
+states* — parameters, gradients, optimizer state — and *residual states* (activations, temporary
+buffers, fragmentation). This module is about the model states:
+
+* :func:`zero_model_state_bytes` — bytes per rank that each ZeRO stage predicts (paper Figure 1);
+* :func:`state_bytes`, :func:`training_bytes_per_param` — optimizer state per parameter for each
+  optimizer of lecture 01, and the 16 bytes per parameter of mixed-precision Adam.
+
+Activations are in :mod:`course_lib.cost.activations`, bytes moved in :mod:`course_lib.cost.comm`.
+What a rank really holds is counted by :func:`course_lib.dist.census.held_bytes`, and
+:mod:`course_lib.measure.zero` sets the two side by side (tests/test_memory.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+
+STAGES = (0, 1, 2, 3)
+
+
+def check_zero_args(n_params: int, dp_size: int, stage: int) -> None:
+    if not isinstance(stage, int) or stage not in STAGES:
+        raise ValueError(f"ZeRO stage {stage!r} does not exist: choose 0 (plain data parallel), 1 (optimizer "
+                         "state sharded), 2 (+ gradients) or 3 (+ parameters)")
+    if not isinstance(n_params, int) or n_params < 1:
+        raise ValueError(f"n_params must be a positive int (Ψ, the model's parameter count), got {n_params!r}")
+    if not isinstance(dp_size, int) or dp_size < 1:
+        raise ValueError(f"dp_size must be a positive int (N_d, the data-parallel ranks), got {dp_size!r}")
+
+
+def zero_model_state_bytes(n_params: int, dp_size: int, stage: int, k: int = 12,
+                           param_bytes: int = 2, grad_bytes: int = 2) -> float:
+    """Bytes of model states per rank under ZeRO ``stage`` (ZeRO paper §3.1, §5.1-5.3, Figure 1).
+
+    Mixed-precision Adam keeps, per parameter, a 16-bit parameter (2 bytes) and a 16-bit gradient
+    (2 bytes) for the forward and backward passes, and K bytes of optimizer state: fp32 master
+    weight, momentum and variance, K = 4 + 4 + 4 = 12. With Ψ parameters and N = ``dp_size`` ranks:
+
+        stage 0 (DDP):               (2 + 2 + K)·Ψ           = 16Ψ
+        stage 1 (P_os):   2Ψ + 2Ψ +   K·Ψ/N                  optimizer state sharded
+        stage 2 (P_os+g): 2Ψ +      (2 + K)·Ψ/N              + gradients
+        stage 3 (P_os+g+p):         (2 + 2 + K)·Ψ/N          + parameters
+
+    The paper's example: Ψ = 7.5B, N = 64 -> 120 GB, 31.4 GB, 16.6 GB, 1.9 GB. Pure fp32 training
+    has no separate master copy: ``param_bytes=4, grad_bytes=4, k=8`` (momentum and variance).
+
+    Where DeepSpeed's own estimators count differently (``estimate_zero2_model_states_mem_needs``,
+    ``estimate_zero3_model_states_mem_needs`` in deepspeed.runtime.zero), and why: both charge 18Ψ/N
+    for the sharded part. DeepSpeed hands its optimizer an fp32 gradient for the fp32 master weights,
+    and keeps that fp32 gradient partition for the whole step: ZeRO-2 counts it next to the 16-bit
+    gradient shard (2 + 4 + 12 = 18 instead of the paper's 2 + 12, so +4Ψ/N); ZeRO-3 counts it
+    instead of the 16-bit one (2 + 4 + 12 = 18 instead of 2 + 2 + 12, so +2Ψ/N). ZeRO-3 adds
+    4·(largest layer's parameters) for the 16-bit parameters and gradients of the layer being
+    computed — a temporary buffer, a *residual* state in the paper's terms — and the CPU-side
+    figures carry an ``additional_buffer_factor`` of 1.5 for staging buffers. These are costs of an
+    implementation, not of the algorithm; this function is the algorithm (course_lib.parallel.data.zero casts a
+    shard's gradient to fp32 only for the duration of the update, as the paper accounts).
+    """
+    check_zero_args(n_params, dp_size, stage)
+    n = dp_size
+    params = param_bytes * n_params / (n if stage >= 3 else 1)
+    grads = grad_bytes * n_params / (n if stage >= 2 else 1)
+    optim = k * n_params / (n if stage >= 1 else 1)
+    return params + grads + optim
+
+
+# ------------------------------------------------------------------ measured, for lecture 02's bars
+
+
+# Elements of optimizer state per parameter element, for a dense (unfactored) parameter.
+STATE_ELEMENTS = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2, "lion": 1, "adafactor": 1}
+
+
+def _state_elements(name: str, shape: tuple[int, ...]) -> int:
+    if name not in STATE_ELEMENTS:
+        raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(STATE_ELEMENTS)}")
+    shape = tuple(shape)
+    if name == "adafactor" and len(shape) >= 2:
+        *batch, n, m = shape
+        return math.prod(batch) * (n + m)  # one row statistic per row, one column statistic per column
+    return STATE_ELEMENTS[name] * math.prod(shape)
+
+
+def state_bytes(name: str, shapes: Iterable, bytes_per_element: int = 4) -> int:
+    """Bytes of per-element optimizer state for parameters of the given shapes.
+
+    Counts the tensors that grow with the parameters (momentum, m, v, Adafactor's R and C). Scalar
+    step counters (one per parameter tensor, not per element) are left out. ``shapes``: tensor
+    shapes or the parameters themselves.
+    """
+    return bytes_per_element * sum(_state_elements(name, getattr(s, "shape", s)) for s in shapes)
+
+
+def state_bytes_per_param(name: str, shapes: Iterable = ((1,),), bytes_per_element: int = 4) -> float:
+    """:func:`state_bytes` divided by the number of parameters: 0, 4, 8, 8, 4 bytes for sgd, momentum,
+    adam, adamw, lion in fp32; for adafactor 4(n+m)/(nm) for an n×m matrix (≈ 0 for large ones)."""
+    shapes = [tuple(getattr(s, "shape", s)) for s in shapes]
+    n_params = sum(math.prod(s) for s in shapes)
+    if n_params == 0:
+        raise ValueError("no parameters given: pass the shapes (or the parameters) to count the state of")
+    return state_bytes(name, shapes, bytes_per_element) / n_params
+
+
+def training_bytes_per_param(name: str, param_bytes: int = 2, grad_bytes: int = 2, master_bytes: int = 4,
+                             state_bytes_per_element: int = 4) -> int:
+    """Weights + gradients + fp32 master copy + optimizer state, bytes per parameter (dense tensors).
+
+    Mixed-precision Adam: 2 (bf16/fp16 weights) + 2 (grads) + 4 (fp32 master) + 8 (m, v) = 16, the
+    "2Ψ + 2Ψ + 12Ψ" of ZeRO (Rajbhandari et al. 2020, §3.1). Pure fp32: param_bytes = grad_bytes = 4,
+    master_bytes = 0. Adafactor's factored state is ~0 per parameter for large matrices and is
+    counted as 0 here (use :func:`state_bytes` with real shapes for the exact figure).
+    """
+    per_element = 0 if name == "adafactor" else STATE_ELEMENTS.get(name)
+    if per_element is None:
+        raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(STATE_ELEMENTS)}")
+    return param_bytes + grad_bytes + master_bytes + per_element * state_bytes_per_element

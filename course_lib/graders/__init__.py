@@ -1,1 +1,0 @@
-"""One module per lab: ``TASKS``, a list of :class:`course_lib.grade.Task`."""

@@ -1,0 +1,159 @@
+"""Grader of lab 01: ring reduce-scatter, all-gather and all-reduce from send/recv.
+
+Graded: equality with torch.distributed (exact on integer-valued data, where any summation order
+gives the same floats; 1e-5 on random data, where the ring adds in a different order than gloo),
+that only point-to-point calls were used, and the bytes each rank sends against the ring's
+formulas: (N-1)/N·S for reduce-scatter and all-gather, 2(N-1)/N·S for all-reduce.
+Timings are not graded (too noisy on shared machines); run.py sets them against an alpha-beta model.
+"""
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from course_lib.dist import counter, launch
+from course_lib.grading.grade import Task, load
+
+WORLDS = (2, 4)
+P2P = {"send", "isend", "recv", "irecv"}
+
+
+def _sent(c) -> int:
+    return c.bytes("send") + c.bytes("isend")
+
+
+def _collectives_used(c) -> set[str]:
+    return {key.split("@")[0] for key in c.as_dict()} - P2P
+
+
+def _data(numel: int, integer: bool, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed + 1000 * dist.get_rank())
+    if integer:
+        return torch.randint(-100, 100, (numel,), generator=g).float()
+    return torch.randn(numel, generator=g)
+
+
+def _reduce_scatter(lab_dir: Path, numel: int, integer: bool):
+    sub = load(lab_dir, "collectives")
+    x = _data(numel, integer)
+    with counter.count() as c:
+        mine = sub.ring_reduce_scatter(x.clone())
+    full = x.clone()
+    dist.all_reduce(full)
+    expected = full.tensor_split(dist.get_world_size())[dist.get_rank()]
+    return mine, expected, _sent(c), _collectives_used(c), x.numel() * x.element_size()
+
+
+def _all_gather(lab_dir: Path, numel: int, integer: bool):
+    sub = load(lab_dir, "collectives")
+    shard = _data(numel, integer)
+    with counter.count() as c:
+        mine = sub.ring_all_gather(shard.clone())
+    expected = torch.empty(numel * dist.get_world_size())
+    dist.all_gather_single(expected, shard)
+    return mine, expected, _sent(c), _collectives_used(c), expected.numel() * expected.element_size()
+
+
+def _all_reduce(lab_dir: Path, shape, integer: bool, transpose: bool = False):
+    sub = load(lab_dir, "collectives")
+    x = _data(int(torch.tensor(shape).prod()), integer).view(shape)
+    if transpose:
+        x = x.t()  # not contiguous: the result must still land in the caller's tensor
+    mine = x.clone() if not transpose else x.clone().t().contiguous().t()
+    with counter.count() as c:
+        returned = sub.ring_all_reduce(mine)
+    expected = x.clone()
+    dist.all_reduce(expected)
+    return mine, returned is mine, expected, _sent(c), _collectives_used(c), x.numel() * x.element_size()
+
+
+def _check_equal(results, name: str, exact: bool) -> None:
+    for rank, (mine, expected, *_rest) in enumerate(results):
+        assert mine is not None, f"{name} returned None on rank {rank}: return the result tensor"
+        assert mine.shape == expected.shape, f"{name}: rank {rank} returned shape {tuple(mine.shape)}, expected {tuple(expected.shape)}"
+        if exact:
+            assert torch.equal(mine, expected), (
+                f"{name} differs from torch.distributed on rank {rank} with integer-valued data (exact in any "
+                "summation order): check which chunk you send and receive at each step"
+            )
+        else:
+            assert torch.allclose(mine, expected, atol=1e-5, rtol=1e-5), f"{name} differs from torch.distributed on rank {rank} beyond 1e-5"
+
+
+def _check_p2p_only(results, name: str) -> None:
+    for rank, r in enumerate(results):
+        used = r[-2]
+        assert not used, f"{name} on rank {rank} called {sorted(used)}: build it from dist.isend/dist.recv only"
+
+
+# -------------------------------------------------------------------------------------- checks
+
+
+def check_setup(lab_dir: Path) -> None:
+    sub = load(lab_dir, "collectives")
+    for fn in ("ring_reduce_scatter", "ring_all_gather", "ring_all_reduce"):
+        assert callable(getattr(sub, fn, None)), f"collectives.py must define {fn}()"
+
+
+def check_reduce_scatter(lab_dir: Path) -> None:
+    for world in WORLDS:
+        for numel in (8 * world, 8 * world + 3):  # divisible, and not
+            results = launch(_reduce_scatter, world, lab_dir, numel, True, timeout=30)
+            _check_equal([(r[0], r[1]) for r in results], f"ring_reduce_scatter (N={world}, {numel} elements)", exact=True)
+            _check_p2p_only(results, "ring_reduce_scatter")
+
+
+def check_reduce_scatter_bytes(lab_dir: Path) -> None:
+    for world in WORLDS:
+        results = launch(_reduce_scatter, world, lab_dir, 1024 * world, False, timeout=30)
+        for rank, (_, _, sent, _, s) in enumerate(results):
+            want = (world - 1) * s // world
+            assert sent == want, f"ring_reduce_scatter at N={world}: rank {rank} sent {sent} bytes, the ring sends (N-1)/N·S = {want}"
+
+
+def check_all_gather(lab_dir: Path) -> None:
+    for world in WORLDS:
+        for integer in (True, False):
+            results = launch(_all_gather, world, lab_dir, 10, integer, timeout=30)
+            _check_equal([(r[0], r[1]) for r in results], f"ring_all_gather (N={world})", exact=True)
+            _check_p2p_only(results, "ring_all_gather")
+
+
+def check_all_gather_bytes(lab_dir: Path) -> None:
+    for world in WORLDS:
+        results = launch(_all_gather, world, lab_dir, 1024, False, timeout=30)
+        for rank, (_, _, sent, _, s) in enumerate(results):
+            want = (world - 1) * s // world
+            assert sent == want, f"ring_all_gather at N={world}: rank {rank} sent {sent} bytes, the ring sends (N-1)/N·S = {want}"
+
+
+def check_all_reduce(lab_dir: Path) -> None:
+    for world in WORLDS:
+        for shape, integer, transpose in (((6, 7), True, False), ((5, 3), True, True), ((64, 33), False, False)):
+            results = launch(_all_reduce, world, lab_dir, shape, integer, transpose, timeout=30)
+            for rank, r in enumerate(results):
+                assert r[1], f"ring_all_reduce must work in place and return the tensor it was given (rank {rank})"
+            what = f"ring_all_reduce (N={world}, shape {shape}{', non-contiguous' if transpose else ''})"
+            _check_equal([(r[0], r[2]) for r in results], what, exact=integer)
+            _check_p2p_only(results, "ring_all_reduce")
+
+
+def check_all_reduce_bytes(lab_dir: Path) -> None:
+    for world in WORLDS:
+        results = launch(_all_reduce, world, lab_dir, (256, world * 4), False, timeout=30)
+        for rank, r in enumerate(results):
+            sent, s = r[3], r[5]
+            want = 2 * (world - 1) * s // world
+            assert sent == want, f"ring_all_reduce at N={world}: rank {rank} sent {sent} bytes, the ring sends 2(N-1)/N·S = {want}"
+
+
+TASKS = [
+    Task("collectives.py imports and defines the three functions", 1, check_setup, setup=True),
+    Task("Task 1: reduce-scatter equals torch.distributed", 2, check_reduce_scatter),
+    Task("Task 1: reduce-scatter sends (N-1)/N·S bytes", 1, check_reduce_scatter_bytes),
+    Task("Task 2: all-gather equals torch.distributed", 2, check_all_gather),
+    Task("Task 2: all-gather sends (N-1)/N·S bytes", 1, check_all_gather_bytes),
+    Task("Task 3: all-reduce equals torch.distributed", 3, check_all_reduce),
+    Task("Task 3: all-reduce sends 2(N-1)/N·S bytes", 2, check_all_reduce_bytes),
+]

@@ -1,0 +1,217 @@
+"""Grader of lab 02: bucketed DDP with hook-driven overlap and no_sync.
+
+Graded against torch itself: the broadcast state, the bucket plan (torch's own assignment
+function and the buckets torch DDP builds for the course model), gradients and parameters
+bit-equal to ``torch.nn.parallel.DistributedDataParallel`` at 2, 3 and 4 ranks, overlap read from
+trace spans (each bucket's all-reduce launched before backward has finished and waited for only
+after), and no_sync (no all-reduce inside, and accumulation still bit-equal to torch).
+
+Torch DDP's first iteration uses a single bucket (it does not know the gradient order yet) and
+rebuilds its buckets at the next forward; the reference takes that warm-up step before any
+comparison, so from then on its buckets are the ones the lab asks for.
+"""
+
+import copy
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from course_lib.model import config as configs
+from course_lib import data
+from course_lib.dist import counter, launch, trace
+from course_lib.grading.grade import Task, load
+from course_lib.model.transformer import Transformer, next_token_loss
+
+CAP_MB = 0.05  # the tiny model's 417 KiB of gradients -> 5 buckets
+GLOBAL_BATCH, SEQ = 12, 32  # splits over 2, 3 and 4 ranks
+_LANGUAGE = []
+
+
+def _batches(n: int, seed: int = 0):
+    """``n`` global batches, this rank's rows of each."""
+    if not _LANGUAGE:
+        _LANGUAGE.append(data.MarkovLanguage())
+    ds = data.make_dataset(_LANGUAGE[0], GLOBAL_BATCH * SEQ * n + 1, SEQ, seed=seed)
+    r, w = dist.get_rank(), dist.get_world_size()
+    return list(ds.batches(GLOBAL_BATCH // w, rank=r, world_size=w, seed=seed))[:n]
+
+
+def _backward(model, x, y) -> None:
+    next_token_loss(model(x), y).backward()
+
+
+def _pair(lab_dir: Path, register_before=None):
+    """(the learner's DDP, torch DDP past its warm-up, a plain copy), all from one initial model."""
+    sub = load(lab_dir, "ddp")
+    torch.manual_seed(0)
+    base = Transformer(configs.get("tiny"))
+    module = copy.deepcopy(base)
+    if register_before is not None:
+        register_before(module)
+    mine = sub.DDP(module, bucket_cap_mb=CAP_MB)
+    ref = TorchDDP(copy.deepcopy(base), bucket_cap_mb=CAP_MB)
+    _backward(ref, *_batches(1, seed=99)[0])
+    ref.zero_grad(set_to_none=True)
+    return mine, ref, base
+
+
+def _n_different(a, b) -> int:
+    return sum(int((x != y).sum()) for x, y in zip(a, b))
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+# ------------------------------------------------------------------------------- per-rank checks
+
+
+def _broadcast(lab_dir: Path):
+    sub = load(lab_dir, "ddp")
+    torch.manual_seed(dist.get_rank())
+    module = Transformer(configs.get("tiny"))
+    sub.broadcast_parameters(module)
+    return torch.cat([t.flatten() for t in [*module.parameters(), *module.buffers()]])
+
+
+def _torch_buckets(lab_dir: Path):
+    mine, ref, _ = _pair(lab_dir)
+    _backward(ref, *_batches(1)[0])  # the forward of this step rebuilds torch's buckets
+    names = {id(p): n for n, p in ref.module.named_parameters()}
+    theirs = [[names[id(p)] for p in b.parameters()] for b in ref.reducer._get_zeros_like_grad_buckets()]
+    return mine.bucket_names(), theirs
+
+
+def _against_torch(lab_dir: Path, steps: int, accumulate: bool):
+    mine, ref, _ = _pair(lab_dir)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (mine, ref)]
+    batches = _batches(2 * steps)
+    diffs = []
+    for step in range(steps):
+        micro = batches[2 * step:2 * step + 2] if accumulate else [batches[step]]
+        for model, opt in zip((mine, ref), opts):
+            opt.zero_grad(set_to_none=True)
+            if accumulate:
+                with model.no_sync():
+                    _backward(model, *micro[0])
+            _backward(model, *micro[-1])
+        diffs.append(_n_different(_grads(mine.module), _grads(ref.module)))
+        for opt in opts:
+            opt.step()
+    return diffs, _n_different(list(mine.module.parameters()), list(ref.module.parameters()))
+
+
+def _overlap(lab_dir: Path):
+    arrived = []
+
+    def register(module):  # hooks registered before the DDP's own fire first: "gradient arrived"
+        for p in module.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: arrived.append(trace.now()))
+
+    mine, _, _ = _pair(lab_dir, register)
+    x, y = _batches(1)[0]
+    _backward(mine, x, y)  # warm-up
+    mine.zero_grad(set_to_none=True)
+    arrived.clear()
+    with trace.record() as tl:
+        with trace.span("backward"):
+            _backward(mine, x, y)
+    return tl.spans, max(arrived), len(mine.buckets)
+
+
+def _no_sync(lab_dir: Path):
+    mine, _, base = _pair(lab_dir)
+    x, y = _batches(1)[0]
+    with counter.count() as c:
+        with mine.no_sync():
+            _backward(mine, x, y)
+    _backward(base, x, y)
+    return c.calls("all_reduce"), _n_different(_grads(mine.module), _grads(base))
+
+
+# ------------------------------------------------------------------------------------- checks
+
+
+def check_setup(lab_dir: Path) -> None:
+    sub = load(lab_dir, "ddp")
+    for name in ("broadcast_parameters", "plan_buckets", "DDP"):
+        assert hasattr(sub, name), f"ddp.py must define {name}"
+
+
+def check_broadcast(lab_dir: Path) -> None:
+    results = launch(_broadcast, 2, lab_dir, timeout=60)
+    assert torch.equal(results[0], results[1]), (
+        "after broadcast_parameters the ranks still hold different models: broadcast every parameter and "
+        "buffer from rank 0 (dist.broadcast(t, src=0))"
+    )
+
+
+def check_plan_rule(lab_dir: Path) -> None:
+    sub = load(lab_dir, "ddp")
+    g = torch.Generator().manual_seed(2)
+    for cap in (1, 100, 1000, 5000, 10**9):
+        sizes = [int(n) for n in torch.randint(1, 400, (30,), generator=g)]
+        tensors = [torch.empty(n) for n in reversed(sizes)]  # torch's function takes them in bucket order
+        expected, _ = dist._compute_bucket_assignment_by_size(tensors, [cap * 4], [], list(range(len(sizes))))
+        expected = [[len(sizes) - 1 - i for i in b] for b in expected]
+        got = sub.plan_buckets([4 * n for n in sizes], cap * 4)
+        assert got == expected, (
+            f"plan_buckets with a cap of {cap * 4} B gives {len(got)} buckets starting {got[:2]}, torch's rule "
+            f"{len(expected)} starting {expected[:2]}: walk from the last tensor, close a bucket once its size is >= the cap"
+        )
+
+
+def check_bucket_order(lab_dir: Path) -> None:
+    mine, theirs = launch(_torch_buckets, 2, lab_dir, timeout=60)[0]
+    assert len(mine) == len(theirs), f"the tiny model at {CAP_MB} MiB should have {len(theirs)} buckets, yours has {len(mine)}"
+    assert mine == theirs, f"bucket contents/order differ from torch DDP's: yours start {mine[0]}, torch's {theirs[0]}"
+
+
+def check_gradients(lab_dir: Path) -> None:
+    # W = 3 as well: at W = 2 and 4, dividing after the sum happens to give the same bits (1/W is a
+    # power of two); at 3 only torch's order, g·(1/W) then SUM, does.
+    for world in (2, 3, 4):
+        for rank, (diffs, params) in enumerate(launch(_against_torch, world, lab_dir, 3, False, timeout=60)):
+            for step, n in enumerate(diffs):
+                assert n == 0, (
+                    f"{world} ranks, rank {rank}, step {step}: {n} gradient elements differ from torch DDP (must be "
+                    "bit-equal): check the 1/W pre-division, the layout inside each bucket, and the copy back"
+                )
+            assert params == 0, f"{world} ranks: after 3 AdamW steps {params} parameter elements differ from torch DDP"
+
+
+def check_overlap(lab_dir: Path) -> None:
+    spans, last_grad, n_buckets = launch(_overlap, 2, lab_dir, timeout=60)[0]
+    reduces = [s for s in spans if s.name == "all_reduce"]
+    assert len(reduces) == n_buckets, f"one all-reduce per bucket per backward: {len(reduces)} for {n_buckets} buckets"
+    early = [s for s in reduces if s.start < last_grad]
+    assert len(early) == n_buckets - 1, (
+        f"only {len(early)} of {n_buckets} all-reduces started before backward computed its last gradient: launch "
+        "each bucket from the hook that fills it, not at the end"
+    )
+    assert all(s.end >= last_grad for s in reduces), (
+        "an all-reduce finished before backward had computed every gradient: use async_op=True and wait in finish()"
+    )
+
+
+def check_no_sync(lab_dir: Path) -> None:
+    for rank, (calls, local_diff) in enumerate(launch(_no_sync, 2, lab_dir, timeout=60)):
+        assert calls == 0, f"rank {rank}: {calls} all-reduces inside no_sync(); it must not communicate"
+        assert local_diff == 0, f"rank {rank}: inside no_sync() .grad should be the rank's own local gradient"
+    for rank, (diffs, params) in enumerate(launch(_against_torch, 4, lab_dir, 2, True, timeout=60)):
+        assert all(n == 0 for n in diffs) and params == 0, (
+            f"rank {rank}: accumulation over 2 micro-batches (first inside no_sync) differs from torch DDP's"
+        )
+
+
+TASKS = [
+    Task("ddp.py imports and defines broadcast_parameters, plan_buckets, DDP", 1, check_setup, setup=True),
+    Task("Task 1: every rank starts from rank 0's parameters and buffers", 1, check_broadcast),
+    Task("Task 2: plan_buckets follows torch's rule", 1, check_plan_rule),
+    Task("Task 2: buckets (count, order, contents) equal torch DDP's", 1, check_bucket_order),
+    Task("Tasks 3+4: gradients and parameters bit-equal to torch DDP at 2, 3 and 4 ranks", 4, check_gradients),
+    Task("Task 3: all-reduces overlap backward (trace spans)", 2, check_overlap),
+    Task("Task 5: no_sync communicates nothing and accumulates like torch", 2, check_no_sync),
+]

@@ -1,0 +1,131 @@
+"""Measured activation memory: what autograd actually keeps for the backward of one layer, set
+beside the model of :mod:`course_lib.cost.activations` (lecture 02, tests/test_activation_memory.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from course_lib.cost.activations import ATTENTION_KERNELS, activation_bytes_per_layer
+from course_lib.dist import Mesh, device, launch
+from course_lib.model.config import ModelConfig
+from course_lib.model.transformer import Transformer
+from course_lib.parallel.tensor.model import TPBlock
+from course_lib.parallel.tensor.sequence import shard_sequence
+
+
+class SavedTensorMeter:
+    """Counts the bytes of distinct storages that autograd saves for backward while active.
+
+        with SavedTensorMeter(exclude=model) as meter:
+            y = model(x)
+        meter.bytes
+
+    Tensors are kept alive by the graph until backward, so a storage address seen once cannot be
+    reused by another saved tensor during the forward pass: counting by address is counting by
+    tensor. Storages of ``exclude``'s parameters and buffers are left out (weights are not
+    activations, and ``w.t()`` saved by a linear is a view of the weight), and so are the storages
+    of ``constants`` (the RoPE tables passed to a block).
+    """
+
+    def __init__(self, exclude: torch.nn.Module | None = None, constants: tuple = ()):
+        tensors = list(exclude.parameters()) + list(exclude.buffers()) if exclude is not None else []
+        tensors += list(constants)
+        self._excluded = {t.untyped_storage().data_ptr() for t in tensors}
+        self.storages: dict[int, int] = {}
+        self._hooks = None
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self._excluded and storage.nbytes() > 0:
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def __enter__(self) -> "SavedTensorMeter":
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
+
+
+def sdpa_kernel(attention: str):
+    """A context that makes ``F.scaled_dot_product_attention`` run the named kernel."""
+    from torch.nn.attention import SDPBackend
+    from torch.nn.attention import sdpa_kernel as choose
+
+    if attention not in ATTENTION_KERNELS:
+        raise ValueError(f"attention={attention!r}: use one of {ATTENTION_KERNELS}")
+    return choose(SDPBackend.MATH) if attention == "math" else contextlib.nullcontext()
+
+
+def measure_block(block: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  attention: str = "flash") -> int:
+    """Bytes of activations ``block(x, cos, sin)`` saves for backward on this rank (x counts: it is saved).
+
+    ``x`` is copied first: a slice of a larger tensor would be counted with its whole storage.
+    """
+    x = x.detach().clone().requires_grad_(True)
+    with sdpa_kernel(attention), SavedTensorMeter(exclude=block, constants=(cos, sin)) as meter:
+        block(x, cos, sin)
+    return meter.bytes
+
+
+def _measure_rank(cfg, batch, seq_lens, settings, attention, seed):
+    """On each rank of a TP group: measured bytes for every (seq_len, sequence_parallel) asked for."""
+
+
+    mesh = Mesh(tp=dist.get_world_size())
+    torch.manual_seed(seed)
+    dense = Transformer(cfg).to(device())
+    out = {}
+    for sp in settings:
+        block = TPBlock(dense.layers[0], mesh, sequence_parallel=sp)
+        for s in seq_lens:
+            x = torch.randn(batch, s, cfg.d_model, generator=torch.Generator().manual_seed(seed + s)).to(device())
+            x = shard_sequence(x, mesh.group("tp")) if sp else x
+            out[(s, sp)] = measure_block(block, x, dense.rope_cos[:s], dense.rope_sin[:s], attention)
+    return out
+
+
+def measure_layer_bytes(cfg: ModelConfig, batch: int, seq_lens, tp: int = 1, settings=(False,),
+                        attention: str = "flash", seed: int = 0) -> dict:
+    """Measured bytes per rank for one layer: {(seq_len, sequence_parallel): bytes}.
+
+    tp = 1 measures ``course_lib.model.transformer.Block`` in this process; tp > 1 launches tp ranks that each
+    measure their ``TPBlock`` (one launch for all seq_lens and settings; rank 0's numbers, since
+    every rank holds the same shapes).
+    """
+    seq_lens = list(seq_lens)
+    if tp == 1:
+        torch.manual_seed(seed)
+        dense = Transformer(cfg).to(device())
+        return {(s, False): measure_block(dense.layers[0], torch.randn(batch, s, cfg.d_model, device=device()),
+                                          dense.rope_cos[:s], dense.rope_sin[:s], attention) for s in seq_lens}
+
+    return launch(_measure_rank, tp, cfg, batch, seq_lens, tuple(settings), attention, seed, timeout=120)[0]
+
+
+def model_vs_measurement(cfg: ModelConfig, seq_lens, batch: int = 1, tp: int = 2, attention: str = "flash") -> list[dict]:
+    """For the lecture: one row per (layout, seq_len) with the model's and the measured bytes per rank.
+
+    Layouts: "dense" (t = 1), "TP" and "TP+SP" (t = ``tp``). Two launches at most in all.
+    """
+    measured = {("dense", s): v for (s, _), v in measure_layer_bytes(cfg, batch, seq_lens, 1, attention=attention).items()}
+    for (s, sp), v in measure_layer_bytes(cfg, batch, seq_lens, tp, (False, True), attention).items():
+        measured[("TP+SP" if sp else "TP", s)] = v
+    rows = []
+    for (layout, s), got in sorted(measured.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        t = 1 if layout == "dense" else tp
+        model = activation_bytes_per_layer(cfg, batch, s, t, layout == "TP+SP", attention)
+        rows.append({"layout": layout, "tp": t, "seq_len": s, "model_bytes": model, "measured_bytes": got,
+                     "rel_error": (got - model) / model})
+    return rows

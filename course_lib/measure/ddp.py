@@ -1,0 +1,53 @@
+"""One traced DDP training step on N ranks, for lecture 02's overlap timeline."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from course_lib import data
+from course_lib.dist import launch, trace
+from course_lib.model import config as configs
+from course_lib.model.transformer import Transformer
+from course_lib.parallel.data.ddp import DistributedDataParallel, split_batch
+
+
+def _traced_rank(config: str, bucket_cap_mb: float, global_batch: int, seq_len: int, seed: int):
+
+    torch.manual_seed(seed)
+    cfg = configs.get(config)
+    model = DistributedDataParallel(Transformer(cfg), bucket_cap_mb=bucket_cap_mb)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ds = data.make_dataset(data.MarkovLanguage(), global_batch * seq_len * 2 + 1, seq_len, seed=seed)
+    x, y = next(ds.batches(global_batch, seed=seed))  # the same global batch on every rank
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = split_batch(x, rank, world), split_batch(y, rank, world)
+    for step in range(2):  # step 0 warms up allocator and caches; step 1 is the one returned
+        opt.zero_grad()
+        dist.barrier()
+        with trace.record() as tl:
+            with trace.span("forward"):
+                loss = model.module.loss(x, y)
+            with trace.span("backward"):
+                loss.backward()
+            with trace.span("optimizer"):
+                opt.step()
+    origin = min(s.start for s in tl.spans)
+    return tl.spans, origin, model.bucket_names()
+
+
+def trace_step(world_size: int = 2, config: str = "tiny", bucket_cap_mb: float = 0.05,
+               global_batch: int = 8, seq_len: int = 32, seed: int = 0) -> dict:
+    """Run one DDP training step on ``world_size`` ranks and return its per-rank timeline.
+
+    Returns ``{"spans": [[Span, ...] per rank], "origin": t0, "buckets": [[names] per bucket]}``.
+    Spans: "forward", "backward", "ddp.wait", "optimizer" (kind "compute") and one "all_reduce"
+    (kind "comm") per bucket, with ``meta["bucket"]``, ``meta["bytes"]`` and ``meta["done"]``, the
+    moment the all-reduce completed (the span's end is when finish() waited for it). "backward"
+    encloses "ddp.wait": autograd's own work is [backward.start, ddp.wait.start]. Times are seconds
+    of a clock shared by the ranks: subtract ``origin`` and draw every rank on one axis.
+    """
+
+    results = launch(_traced_rank, world_size, config, bucket_cap_mb, global_batch, seq_len, seed, timeout=120)
+    origin = min(r[1] for r in results)
+    return {"spans": [r[0] for r in results], "origin": origin, "buckets": results[0][2]}

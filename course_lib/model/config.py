@@ -1,0 +1,406 @@
+"""Model configurations: the course models and the published frontier architectures.
+
+One frozen dataclass, :class:`ModelConfig`, describes every model the course talks about: the two
+small Llama-style models that train on 2 CPU cores (``tiny``, ``small``) and six published
+architectures whose numbers come from their technical reports and released ``config.json`` files
+(``deepseek-v3``, ``qwen2.5-72b``, ``llama-3.1-405b``, ``gpt-oss-120b``, ``gpt-oss-20b``,
+``qwen3-next-80b-a3b``). ``course_lib.model.transformer.Transformer`` runs the dense ones; the published ones are
+here so that later chapters can do their arithmetic (parameters, active parameters, KV-cache bytes)
+from real numbers instead of round guesses.
+
+    >>> from course_lib import configs
+    >>> configs.names()
+    ('tiny', 'small', 'deepseek-v3', 'qwen2.5-72b', 'llama-3.1-405b', 'gpt-oss-120b', ...)
+    >>> cfg = configs.get("tiny")                  # or configs.get("tiny", n_layers=4)
+    >>> dataclasses.replace(cfg, n_kv_heads=1)     # a variant, validated again
+
+Fields left as ``None`` (``n_kv_heads``, ``head_dim``, ``d_ff``, ``moe_d_ff``) are derived once at
+construction. ``dataclasses.replace`` keeps derived values, so when you change ``d_model`` or
+``n_heads`` through it, pass ``head_dim=None`` (and ``d_ff=None``) to derive them again;
+``get(name, **overrides)`` builds from the registry's own arguments and has no such trap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from course_lib.model.tokenizer import VOCAB_SIZE
+
+
+def _swiglu_hidden(d_model: int, multiple_of: int = 64) -> int:
+    """SwiGLU width that keeps the MLP at the classic 8·d² parameters (two d x 4d matrices).
+
+    A SwiGLU MLP has three matrices instead of two, so LLaMA (Touvron et al. 2023, §2.2) shrinks the
+    hidden width to 2/3·4·d, then rounds up to a multiple (LLaMA uses 256) so the matmuls stay aligned.
+    """
+    return multiple_of * math.ceil(8 * d_model / 3 / multiple_of)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a decoder-only transformer (dense, MoE, MLA, hybrid attention).
+
+    Attention: ``n_heads`` query heads of width ``head_dim``; ``n_kv_heads`` K/V heads shared by
+    groups of ``n_heads / n_kv_heads`` query heads (GQA, Ainslie et al. 2023). MLA (DeepSeek-V2 §2.1)
+    is on when ``kv_lora_rank > 0``. Layer ``i`` uses full attention when
+    ``(i + 1) % full_attention_interval == 0``, otherwise sliding-window attention (``sliding_window``
+    tokens, gpt-oss) or linear attention (Gated DeltaNet, the ``linear_*`` fields, Qwen3-Next).
+
+    Feed-forward: SwiGLU of width ``d_ff``. MoE is on when ``n_routed_experts > 0``: layers from
+    ``first_k_dense`` on replace the dense MLP by ``n_shared_experts`` always-on experts plus the
+    top-``n_activated_experts`` of ``n_routed_experts`` routed ones, each a SwiGLU of width ``moe_d_ff``.
+    """
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int | None = None  # None: = n_heads (multi-head attention)
+    head_dim: int | None = None  # None: d_model // n_heads (MLA: qk_nope + qk_rope)
+    d_ff: int | None = None  # None: _swiglu_hidden(d_model)
+    max_seq_len: int = 2048
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    # Mixture of experts
+    n_routed_experts: int = 0
+    n_shared_experts: int = 0
+    n_activated_experts: int = 0  # top-k among the routed experts
+    moe_d_ff: int | None = None  # None: = d_ff
+    first_k_dense: int = 0
+    # Multi-head latent attention (0 = off)
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # Attention layer pattern
+    full_attention_interval: int = 1
+    sliding_window: int = 0
+    attn_output_gate: bool = False  # Qwen3-Next: q_proj also emits a sigmoid gate on the output
+    linear_n_k_heads: int = 0
+    linear_n_v_heads: int = 0
+    linear_k_head_dim: int = 0
+    linear_v_head_dim: int = 0
+    linear_conv_kernel: int = 0
+    # Multi-token prediction (DeepSeek-V3 §2.2): number of extra sequential prediction modules
+    mtp_depth: int = 0
+    source: str = ""
+
+    # ------------------------------------------------------------------ validation
+    def __post_init__(self) -> None:
+        self._check_numbers()
+        self._derive_and_check_attention()
+        self._derive_and_check_ffn()
+        self._check_layer_pattern()
+
+    def _set(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)  # the dataclass is frozen; deriving defaults is allowed
+
+    def _check_numbers(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not f.type.startswith("int"):  # annotations are strings (from __future__ import annotations)
+                continue
+            is_int = isinstance(value, int) and not isinstance(value, bool)
+            _require(is_int or (value is None and "None" in f.type), f"{f.name}={value!r} must be an int")
+            _require(value is None or value >= 0, f"{f.name}={value} is negative; sizes and counts are >= 0")
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "full_attention_interval"):
+            _require(getattr(self, name) > 0, f"{name}={getattr(self, name)} must be a positive integer")
+        _require(self.rope_theta > 0, f"rope_theta={self.rope_theta} must be > 0: RoPE angles are theta^(-2i/d)")
+        _require(self.norm_eps > 0, f"norm_eps={self.norm_eps} must be > 0: it keeps RMSNorm's 1/rms finite")
+
+    def _derive_and_check_attention(self) -> None:
+        if self.n_kv_heads is None:
+            self._set("n_kv_heads", self.n_heads)
+        _require(
+            0 < self.n_kv_heads <= self.n_heads and self.n_heads % self.n_kv_heads == 0,
+            f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}: grouped-query "
+            f"attention shares each K/V head among n_heads/n_kv_heads query heads; choose n_kv_heads "
+            f"dividing n_heads (n_kv_heads=n_heads is plain multi-head attention, 1 is multi-query)",
+        )
+        mla = {name: getattr(self, name) for name in _MLA_FIELDS}
+        if self.is_mla:
+            _require(
+                self.qk_nope_head_dim and self.qk_rope_head_dim and self.v_head_dim,
+                f"MLA is on (kv_lora_rank={self.kv_lora_rank}) but {mla}: MLA needs all three head widths "
+                f"qk_nope_head_dim, qk_rope_head_dim, v_head_dim (DeepSeek-V2 §2.1.3)",
+            )
+            _require(
+                self.qk_rope_head_dim % 2 == 0,
+                f"qk_rope_head_dim={self.qk_rope_head_dim} is odd: RoPE rotates channel pairs; make it even",
+            )
+            if self.head_dim is None:
+                self._set("head_dim", self.qk_nope_head_dim + self.qk_rope_head_dim)
+        else:
+            _require(
+                not any(mla.values()),
+                f"MLA fields {mla} are set but kv_lora_rank=0 (MLA off); set kv_lora_rank > 0 to use MLA "
+                f"or leave them all 0",
+            )
+        if self.head_dim is None:
+            _require(
+                self.d_model % self.n_heads == 0,
+                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}, so head_dim cannot "
+                f"default to d_model // n_heads; pass head_dim explicitly or change n_heads",
+            )
+            self._set("head_dim", self.d_model // self.n_heads)
+        _require(
+            self.head_dim > 0 and self.head_dim % 2 == 0,
+            f"head_dim={self.head_dim} must be even: RoPE rotates each head as two halves "
+            f"(rotate_half), so it needs an even number of channels",
+        )
+
+    def _derive_and_check_ffn(self) -> None:
+        if self.d_ff is None:
+            self._set("d_ff", _swiglu_hidden(self.d_model))
+        _require(self.d_ff > 0, f"d_ff={self.d_ff} must be > 0")
+        if not self.is_moe:
+            unused = (self.n_shared_experts, self.n_activated_experts, self.first_k_dense, self.moe_d_ff)
+            _require(
+                unused == (0, 0, 0, None),
+                f"MoE fields are set (n_shared_experts={self.n_shared_experts}, n_activated_experts="
+                f"{self.n_activated_experts}, first_k_dense={self.first_k_dense}, moe_d_ff={self.moe_d_ff}) "
+                f"but n_routed_experts=0; set n_routed_experts > 0 for a mixture of experts",
+            )
+            return
+        if self.moe_d_ff is None:
+            self._set("moe_d_ff", self.d_ff)
+        _require(self.moe_d_ff > 0, f"moe_d_ff={self.moe_d_ff} must be > 0")
+        _require(
+            0 < self.n_activated_experts <= self.n_routed_experts,
+            f"n_activated_experts={self.n_activated_experts} must be in 1..n_routed_experts="
+            f"{self.n_routed_experts}: each token is sent to its top-k routed experts",
+        )
+        _require(
+            self.first_k_dense <= self.n_layers,
+            f"first_k_dense={self.first_k_dense} exceeds n_layers={self.n_layers}",
+        )
+
+    def _check_layer_pattern(self) -> None:
+        linear = {name: getattr(self, name) for name in _LINEAR_FIELDS}
+        _require(
+            all(linear.values()) or not any(linear.values()),
+            f"linear-attention fields are partly set {linear}: Gated DeltaNet needs all five, or none",
+        )
+        _require(
+            not (self.sliding_window and any(linear.values())),
+            "sliding_window and linear attention are both set; the non-full layers are one kind or the other",
+        )
+        if self.full_attention_interval > 1:
+            _require(
+                self.sliding_window > 0 or any(linear.values()),
+                f"full_attention_interval={self.full_attention_interval} leaves layers that are not full "
+                f"attention, but neither sliding_window nor the linear_* fields say what they are",
+            )
+        else:
+            _require(
+                self.sliding_window == 0 and not any(linear.values()),
+                "sliding_window / linear_* are set but full_attention_interval=1 makes every layer full "
+                "attention; set full_attention_interval > 1 (gpt-oss: 2, Qwen3-Next: 4)",
+            )
+
+    # ------------------------------------------------------------------ structure
+    @property
+    def is_moe(self) -> bool:
+        return self.n_routed_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def top_k(self) -> int:
+        """Alias: routed experts per token."""
+        return self.n_activated_experts
+
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        """'full', 'sliding' or 'linear' for each layer (the rule of HF's gpt-oss and Qwen3-Next configs)."""
+        other = "sliding" if self.sliding_window else "linear"
+        every = self.full_attention_interval
+        return tuple("full" if (i + 1) % every == 0 else other for i in range(self.n_layers))
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.is_moe and i >= self.first_k_dense
+
+    # ------------------------------------------------------------------ counting
+    def _attention_params(self, kind: str) -> int:
+        d = self.d_model
+        if kind == "linear":  # Gated DeltaNet, laid out as in HF's Qwen3NextGatedDeltaNet
+            kd = self.linear_n_k_heads * self.linear_k_head_dim
+            vd = self.linear_n_v_heads * self.linear_v_head_dim
+            return (
+                d * (2 * kd + 2 * vd)  # in_proj: q, k, v and the output gate z
+                + d * 2 * self.linear_n_v_heads  # in_proj: per-head write strength beta and decay alpha
+                + (2 * kd + vd) * self.linear_conv_kernel  # depthwise causal conv over q, k, v
+                + 2 * self.linear_n_v_heads  # A_log and dt_bias
+                + self.linear_v_head_dim  # gated RMSNorm weight, shared by heads
+                + vd * d  # out_proj
+            )
+        if self.is_mla:  # DeepSeek-V2 §2.1.2-2.1.3: low-rank q and kv, plus a decoupled RoPE part
+            h, qk = self.n_heads, self.qk_nope_head_dim + self.qk_rope_head_dim
+            rq = self.q_lora_rank  # 0: queries are not compressed (DeepSeek-V2-Lite)
+            q = d * rq + rq + rq * h * qk if rq else d * h * qk
+            kv = d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+            kv += self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim)
+            return q + kv + h * self.v_head_dim * d
+        q_out = self.n_heads * self.head_dim * (2 if self.attn_output_gate else 1)
+        return d * q_out + 2 * d * self.n_kv_heads * self.head_dim + self.n_heads * self.head_dim * d
+
+    def _ffn_params(self, moe: bool, active: bool) -> int:
+        d = self.d_model
+        if not moe:
+            return 3 * d * self.d_ff
+        experts = (self.n_activated_experts if active else self.n_routed_experts) + self.n_shared_experts
+        return 3 * d * self.moe_d_ff * experts + d * self.n_routed_experts  # + router
+
+    def _block_params(self, kind: str, moe: bool, active: bool) -> int:
+        return 2 * self.d_model + self._attention_params(kind) + self._ffn_params(moe, active)
+
+    def _count(self, active: bool, include_mtp: bool) -> int:
+        d, v = self.d_model, self.vocab_size
+        n = v * d + d  # output head + final norm
+        if not (active or self.tie_embeddings):
+            n += v * d  # the embedding table, when it is a separate matrix
+        for i, kind in enumerate(self.layer_types):
+            n += self._block_params(kind, self.is_moe_layer(i), active)
+        if include_mtp:  # per module: 3 norms, a 2d->d projection, one block; embedding/head shared
+            n += self.mtp_depth * (3 * d + 2 * d * d + self._block_params("full", self.is_moe, active))
+        return n
+
+    def n_params(self, include_mtp: bool = False) -> int:
+        """Total parameters.
+
+        Exact for the course model (``Transformer``; a test checks it against ``numel``). Per layer::
+
+            2·d (two RMSNorms) + attention + feed-forward
+            attention, GQA  = d·H·hd·(2 if output gate) + 2·d·Hkv·hd + H·hd·d
+            attention, MLA  = d·rq + rq + rq·H·(dn+dr) + d·(rkv+dr) + rkv + rkv·H·(dn+dv) + H·dv·d
+            attention, Gated DeltaNet = d·(2K+2V) + 2d·Hv + (2K+V)·conv + 2Hv + dv + V·d
+            feed-forward    = 3·d·d_ff  (dense SwiGLU: gate, up, down)
+                            = 3·d·moe_d_ff·(n_routed + n_shared) + d·n_routed  (MoE: experts + router)
+
+        plus ``V·d`` embedding, ``V·d`` output head (once if tied) and ``d`` final norm. For the published
+        configs the count is analytic and leaves out terms below 0.05% of the total: biases (Qwen2.5's
+        QKV bias, gpt-oss's attention, router and expert biases), gpt-oss's per-head attention sinks,
+        Qwen3-Next's per-head q/k norms and shared-expert gate, DeepSeek's router bias.
+        ``include_mtp`` adds the multi-token-prediction modules, which are dropped at inference and
+        excluded from the headline totals (DeepSeek-V3's 671B).
+        """
+        return self._count(active=False, include_mtp=include_mtp)
+
+    def n_active_params(self, include_mtp: bool = False) -> int:
+        """Parameters one token's forward pass multiplies with (MoE: only the top-k routed experts).
+
+        Follows the gpt-oss model card's convention: the output head counts, the embedding table does
+        not (a lookup reads one row). For a dense model this is ``n_params()`` minus the embedding
+        table, or all of ``n_params()`` when the table is tied to the output head.
+        """
+        return self._count(active=True, include_mtp=include_mtp)
+
+    def kv_cache_bytes_per_token(self, bytes_per_element: int = 2) -> int:
+        """Bytes of KV cache each token of context adds, summed over layers (bf16 by default).
+
+        GQA layer: 2·Hkv·hd elements (a K and a V per KV head). MLA layer: rkv + dr elements (the latent
+        c_kv and the shared RoPE key, DeepSeek-V2 §2.1.2-2.1.3). Linear-attention layers keep a fixed-size
+        state and add nothing per token. Sliding-window layers are counted like full ones, which is the
+        cost for contexts up to ``sliding_window`` tokens (they stop growing after that).
+        """
+        gqa = 2 * self.n_kv_heads * self.head_dim
+        per_layer = {
+            "full": self.kv_lora_rank + self.qk_rope_head_dim if self.is_mla else gqa,
+            "sliding": gqa,
+            "linear": 0,
+        }
+        return bytes_per_element * sum(per_layer[kind] for kind in self.layer_types)
+
+
+_MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+_LINEAR_FIELDS = (
+    "linear_n_k_heads", "linear_n_v_heads", "linear_k_head_dim", "linear_v_head_dim", "linear_conv_kernel",
+)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+# ---------------------------------------------------------------------- the named configurations
+_COURSE = "course model, sized to train on 2 CPU cores; vocab_size = course_lib.model.tokenizer.VOCAB_SIZE"
+
+_REGISTRY: dict[str, dict] = {
+    "tiny": dict(
+        vocab_size=VOCAB_SIZE, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=_swiglu_hidden(64),
+        max_seq_len=64, source=_COURSE,
+    ),
+    "small": dict(
+        vocab_size=VOCAB_SIZE, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=_swiglu_hidden(128),
+        max_seq_len=128, source=_COURSE,
+    ),
+    "deepseek-v3": dict(
+        vocab_size=129_280, d_model=7168, n_layers=61, n_heads=128, n_kv_heads=128, d_ff=18_432,
+        max_seq_len=163_840, rope_theta=10_000.0, norm_eps=1e-6,
+        n_routed_experts=256, n_shared_experts=1, n_activated_experts=8, moe_d_ff=2048, first_k_dense=3,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        mtp_depth=1,
+        source="DeepSeek-V3 Technical Report (arXiv:2412.19437) §4.2 'Hyper-Parameters'; config.json of "
+        "deepseek-ai/DeepSeek-V3; headline 671B total / 37B activated (report abstract; seed 000 Table 1)",
+    ),
+    "qwen2.5-72b": dict(
+        vocab_size=152_064, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_ff=29_568,
+        max_seq_len=131_072, rope_theta=1_000_000.0, norm_eps=1e-5,
+        source="Qwen2.5 Technical Report (arXiv:2412.15115) Table 1; config.json of Qwen/Qwen2.5-72B; "
+        "headline 72.7B parameters (model card); KV 327 KB/token (seed 001 Table 1)",
+    ),
+    "llama-3.1-405b": dict(
+        vocab_size=128_256, d_model=16_384, n_layers=126, n_heads=128, n_kv_heads=8, d_ff=53_248,
+        max_seq_len=131_072, rope_theta=500_000.0, norm_eps=1e-5,
+        source="The Llama 3 Herd of Models (arXiv:2407.21783) Table 3; config.json of "
+        "meta-llama/Llama-3.1-405B; headline 405B; KV 516 KB/token (seed 001 Table 1)",
+    ),
+    "gpt-oss-120b": dict(
+        vocab_size=201_088, d_model=2880, n_layers=36, n_heads=64, n_kv_heads=8, head_dim=64, d_ff=2880,
+        max_seq_len=131_072, rope_theta=150_000.0, norm_eps=1e-5,
+        n_routed_experts=128, n_activated_experts=4, moe_d_ff=2880,
+        full_attention_interval=2, sliding_window=128,
+        source="gpt-oss-120b & gpt-oss-20b Model Card (OpenAI, Aug 2025) Table 1; config.json of "
+        "openai/gpt-oss-120b; headline 116.83B total / 5.13B active (seed 000 Table 3: ~117B / ~5.1B)",
+    ),
+    "gpt-oss-20b": dict(
+        vocab_size=201_088, d_model=2880, n_layers=24, n_heads=64, n_kv_heads=8, head_dim=64, d_ff=2880,
+        max_seq_len=131_072, rope_theta=150_000.0, norm_eps=1e-5,
+        n_routed_experts=32, n_activated_experts=4, moe_d_ff=2880,
+        full_attention_interval=2, sliding_window=128,
+        source="gpt-oss-120b & gpt-oss-20b Model Card (OpenAI, Aug 2025) Table 1; config.json of "
+        "openai/gpt-oss-20b; headline 20.91B total / 3.61B active (seed 000 Table 3: ~21B / ~3.6B)",
+    ),
+    "qwen3-next-80b-a3b": dict(
+        # d_ff (intermediate_size) is unused: every layer is MoE. The shared expert has the routed
+        # experts' width (shared_expert_intermediate_size = moe_intermediate_size = 512).
+        vocab_size=151_936, d_model=2048, n_layers=48, n_heads=16, n_kv_heads=2, head_dim=256, d_ff=5120,
+        max_seq_len=262_144, rope_theta=10_000_000.0, norm_eps=1e-6,
+        n_routed_experts=512, n_shared_experts=1, n_activated_experts=10, moe_d_ff=512,
+        full_attention_interval=4, attn_output_gate=True,
+        linear_n_k_heads=16, linear_n_v_heads=32, linear_k_head_dim=128, linear_v_head_dim=128,
+        linear_conv_kernel=4,
+        mtp_depth=1,
+        source="Qwen3-Next blog and model card (Qwen team, Sep 2025); config.json of "
+        "Qwen/Qwen3-Next-80B-A3B-Instruct; headline 80B total / 3B activated (seed 000 Table 4)",
+    ),
+}
+
+
+def names() -> tuple[str, ...]:
+    """Names accepted by :func:`get`, course models first."""
+    return tuple(_REGISTRY)
+
+
+def get(name: str, **overrides) -> ModelConfig:
+    """The named configuration, optionally with fields overridden (validated like any other)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown model config {name!r}; known configs: {', '.join(names())}")
+    return ModelConfig(**{**_REGISTRY[name], **overrides})

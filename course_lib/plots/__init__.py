@@ -1,0 +1,6 @@
+"""course_lib.plots — numbers in, matplotlib Axes out; one file per subject, shared helpers in common.
+
+* :mod:`~course_lib.plots.basics`           loss curves, timelines of spans, number lines, bars
+* :mod:`~course_lib.plots.data_parallel`    DDP's overlap timeline, measured against formula bars
+* :mod:`~course_lib.plots.context_parallel` causal work grid, work per rank, memory against length
+"""
