@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from course_lib.model import config as configs
 from course_lib import data
-from course_lib.parallel.data.ddp import DistributedDataParallel, split_batch
 from course_lib.dist import launch
+from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer, next_token_loss
+from course_lib.parallel.data.ddp import DistributedDataParallel, split_batch
 
 SHAPES = {"tiny": (8, 64), "small": (8, 128)}  # global batch, sequence length
 
@@ -37,11 +37,13 @@ def _rank(model_name: str, cap_mb: float, steps: int, repeats: int, warmup: int)
     torch.manual_seed(0)
     cfg = configs.get(model_name)
     base = Transformer(cfg)
-    models = {"course_lib": DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=cap_mb),
-              # forward_sync_buffers=False: both broadcast buffers once, at construction; torch's
-              # default re-broadcasts them before every forward (for BatchNorm statistics), an extra
-              # collective per step that the course model's constant buffers do not need.
-              "torch": TorchDDP(copy.deepcopy(base), bucket_cap_mb=cap_mb, forward_sync_buffers=False)}
+    models = {
+        "course_lib": DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=cap_mb),
+        # forward_sync_buffers=False: both broadcast buffers once, at construction; torch's
+        # default re-broadcasts them before every forward (for BatchNorm statistics), an extra
+        # collective per step that the course model's constant buffers do not need.
+        "torch": TorchDDP(copy.deepcopy(base), bucket_cap_mb=cap_mb, forward_sync_buffers=False),
+    }
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in models.items()}
     batch, seq = SHAPES[model_name]
     ds = data.make_dataset(data.MarkovLanguage(), batch * seq * 4 + 1, seq, seed=0)
@@ -89,8 +91,11 @@ def main() -> None:
                 # a step ends for everyone when the slowest rank ends: take the slowest rank's median
                 ours = max(r[0]["course_lib"] for r in results)
                 theirs = max(r[0]["torch"] for r in results)
-                print(f"| {model_name} | {world} | {cap:g} | {results[0][1]} | {ours * 1e3:.1f} | "
-                      f"{theirs * 1e3:.1f} | {ours / theirs:.3f} |", flush=True)
+                print(
+                    f"| {model_name} | {world} | {cap:g} | {results[0][1]} | {ours * 1e3:.1f} | "
+                    f"{theirs * 1e3:.1f} | {ours / theirs:.3f} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

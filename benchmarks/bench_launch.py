@@ -49,8 +49,12 @@ def main():
     for world in args.worlds:
         ours, theirs = [], []
         for _ in range(args.repeats):
-            t = time.perf_counter(); launch(work, world); ours.append(time.perf_counter() - t)
-            t = time.perf_counter(); mp.spawn(_spawned, args=(world, _port()), nprocs=world); theirs.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            launch(work, world)
+            ours.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            mp.spawn(_spawned, args=(world, _port()), nprocs=world)
+            theirs.append(time.perf_counter() - t)
         a, b = sorted(ours)[len(ours) // 2], sorted(theirs)[len(theirs) // 2]
         print(f"{world:>5} {a:>11.2f} {b:>13.2f} {b / a:>5.0f}x")
 

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from course_lib.model import config as configs
 from course_lib.data import MarkovLanguage, make_dataset
 from course_lib.dist import Mesh, launch
+from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.tensor.model import TPTransformer
 
@@ -32,8 +32,10 @@ def dtensor_model(dense: Transformer, t: int):
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    }
     for i in range(len(dense.layers)):
         for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
             plan[f"layers.{i}.{name}"] = ColwiseParallel()
@@ -88,13 +90,17 @@ def main():
     parser.add_argument("--seq-len", type=int, default=128)
     args = parser.parse_args()
     cfg = configs.get("small", n_heads=8, n_kv_heads=4)
-    print(f"config small (d={cfg.d_model}, {cfg.n_layers} layers, 8 heads / 4 KV heads), batch {args.batch} x "
-          f"{args.seq_len} tokens, median of {args.steps} steps")
+    print(
+        f"config small (d={cfg.d_model}, {cfg.n_layers} layers, 8 heads / 4 KV heads), batch {args.batch} x "
+        f"{args.seq_len} tokens, median of {args.steps} steps"
+    )
     print(f"{'TP':>3} {'course_lib (ms)':>16} {'DTensor (ms)':>13} {'ratio':>6}  first losses (course_lib / DTensor)")
     for t in args.tp:
         med, losses = launch(_ranks, t, cfg, args.steps, args.batch, args.seq_len, timeout=600)[0]
         first = " ".join(f"{a:.4f}/{b:.4f}" for a, b in zip(losses["ours"], losses["theirs"]))
-        print(f"{t:>3} {med['ours'] * 1e3:>16.1f} {med['theirs'] * 1e3:>13.1f} {med['ours'] / med['theirs']:>6.2f}  {first}")
+        print(
+            f"{t:>3} {med['ours'] * 1e3:>16.1f} {med['theirs'] * 1e3:>13.1f} {med['ours'] / med['theirs']:>6.2f}  {first}"
+        )
 
 
 if __name__ == "__main__":

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import psutil
 
-from course_lib.dist import launch
 from course_lib.cost.memory import zero_model_state_bytes
+from course_lib.dist import launch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "solutions" / "lab03_zero"))
 
@@ -49,7 +49,7 @@ def _rank(kind: str, stage: int, steps: int, overrides: dict) -> dict:
     # would then show as memory still held.
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed  # noqa: F401  (imported before the baseline in both cases)
+    import deepspeed
     import train_deepspeed as T
 
     base = psutil.Process().memory_info().rss
@@ -63,8 +63,12 @@ def _rank(kind: str, stage: int, steps: int, overrides: dict) -> dict:
     else:
         out = T.train_course(stage, steps, cfg, model="small", overrides=overrides)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    return {"step_s": statistics.median(out["step_s"][2:]), "peak": peak - base, "loss": out["losses"][-1],
-            "state_bytes": out.get("state_bytes")}
+    return {
+        "step_s": statistics.median(out["step_s"][2:]),
+        "peak": peak - base,
+        "loss": out["losses"][-1],
+        "state_bytes": out.get("state_bytes"),
+    }
 
 
 def main() -> None:
@@ -82,8 +86,10 @@ def main() -> None:
 
     overrides = {"d_model": args.d_model, "n_layers": args.layers, "d_ff": None}  # d_ff re-derived from d_model
     psi = configs.get("small", **overrides).n_params()
-    print(f"{args.world} ranks, gloo, course model d_model={args.d_model}, {args.layers} layers: "
-          f"Ψ = {psi / 1e6:.1f}M parameters, fp32 AdamW, micro-batch 8 x 32 tokens per rank")
+    print(
+        f"{args.world} ranks, gloo, course model d_model={args.d_model}, {args.layers} layers: "
+        f"Ψ = {psi / 1e6:.1f}M parameters, fp32 AdamW, micro-batch 8 x 32 tokens per rank"
+    )
     runs = {}
     for repeat in range(args.repeats):  # alternate the order between repeats: drifting load hits both
         kinds = ("course_lib", "deepspeed") if repeat % 2 == 0 else ("deepspeed", "course_lib")
@@ -96,22 +102,29 @@ def main() -> None:
         rows[kind, stage] = {  # the slowest / largest rank of each run, median over the runs
             "step_s": statistics.median(max(r["step_s"] for r in ranks) for ranks in repeats),
             "peak": statistics.median(max(r["peak"] for r in ranks) for ranks in repeats),
-            "loss": repeats[0][0]["loss"], "state_bytes": repeats[0][0]["state_bytes"],
+            "loss": repeats[0][0]["loss"],
+            "state_bytes": repeats[0][0]["state_bytes"],
         }
-    print(f"{'stage':>5} {'implementation':>14} {'step (ms)':>10} {'peak MiB':>9} {'states MiB':>11} "
-          f"{'formula MiB':>12} {'final loss':>11}")
+    print(
+        f"{'stage':>5} {'implementation':>14} {'step (ms)':>10} {'peak MiB':>9} {'states MiB':>11} "
+        f"{'formula MiB':>12} {'final loss':>11}"
+    )
     for (kind, stage), r in rows.items():
         formula = zero_model_state_bytes(psi, args.world, stage, k=8, param_bytes=4, grad_bytes=4) / MB
         states = f"{r['state_bytes'] / MB:.1f}" if r["state_bytes"] else "-"
-        print(f"{stage:>5} {kind:>14} {r['step_s'] * 1e3:>10.0f} {r['peak'] / MB:>9.0f} {states:>11} "
-              f"{formula:>12.1f} {r['loss']:>11.4f}")
+        print(
+            f"{stage:>5} {kind:>14} {r['step_s'] * 1e3:>10.0f} {r['peak'] / MB:>9.0f} {states:>11} "
+            f"{formula:>12.1f} {r['loss']:>11.4f}"
+        )
     fixed = max(r["peak"] for r in launch(_rank, args.world, "deepspeed-start-up", 2, 0, overrides, timeout=600))
     print(f"DeepSpeed start-up alone (deepspeed.initialize on the 0.1M-parameter tiny model): {fixed / MB:.0f} MiB")
     for stage in (2, 3):
         ours, ds = rows["course_lib", stage], rows["deepspeed", stage]
-        print(f"ZeRO-{stage}: course_lib / DeepSpeed step time = {ours['step_s'] / ds['step_s']:.2f}, "
-              f"peak memory = {ours['peak'] / ds['peak']:.2f} "
-              f"({ours['peak'] / (ds['peak'] - fixed):.2f} without DeepSpeed's start-up allocation)")
+        print(
+            f"ZeRO-{stage}: course_lib / DeepSpeed step time = {ours['step_s'] / ds['step_s']:.2f}, "
+            f"peak memory = {ours['peak'] / ds['peak']:.2f} "
+            f"({ours['peak'] / (ds['peak'] - fixed):.2f} without DeepSpeed's start-up allocation)"
+        )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The commands behind ./course (the set-up itself is in that script).
 
-    ./course lectures [--execute]   ./course test [pytest args]   ./course grade LAB [--solutions]
+./course lectures [--execute]   ./course test [pytest args]   ./course grade LAB [--solutions]
 """
 
 from __future__ import annotations
@@ -33,10 +33,21 @@ def lectures(execute: bool, port: int | None, folder: Path = LECTURES, build: Pa
     failed = []
     for nb in sorted(folder.glob("*.ipynb")):
         start = time.monotonic()
-        code = subprocess.call([
-            sys.executable, "-m", "jupyter", "nbconvert", "--to", "html", "--execute",
-            "--ExecutePreprocessor.timeout=600", f"--output-dir={build}", str(nb),
-        ], stderr=subprocess.DEVNULL)
+        code = subprocess.call(
+            [
+                sys.executable,
+                "-m",
+                "jupyter",
+                "nbconvert",
+                "--to",
+                "html",
+                "--execute",
+                "--ExecutePreprocessor.timeout=600",
+                f"--output-dir={build}",
+                str(nb),
+            ],
+            stderr=subprocess.DEVNULL,
+        )
         print(f"{nb.name}: {'ok' if code == 0 else 'FAILED'} in {time.monotonic() - start:.0f} s")
         if code:
             failed.append(nb.name)
@@ -54,9 +65,16 @@ def test(extra: list[str]) -> int:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     cmd = [
-        sys.executable, "-m", "pytest", "tests", "lectures",
-        "--nbval", "--nbval-current-env", f"--nbval-sanitize-with={LECTURES / 'sanitize.cfg'}",
-        "--nbval-cell-timeout=300", *extra,
+        sys.executable,
+        "-m",
+        "pytest",
+        "tests",
+        "lectures",
+        "--nbval",
+        "--nbval-current-env",
+        f"--nbval-sanitize-with={LECTURES / 'sanitize.cfg'}",
+        "--nbval-cell-timeout=300",
+        *extra,
     ]
     print(" ".join(cmd[2:]), flush=True)
     try:

@@ -38,7 +38,6 @@ import torch
 
 from course_lib.model.tokenizer import N_SYMBOL_SLOTS, VOCAB_SIZE
 
-
 # ----------------------------------------------------------------------------------------------
 # Randomness: one torch.Generator per use, never the global RNG
 # ----------------------------------------------------------------------------------------------
@@ -84,9 +83,7 @@ def _log_gamma_variates(shape: float, size: int, generator: torch.Generator) -> 
     return out
 
 
-def sample_dirichlet(
-    concentration: float, n_rows: int, n_cols: int, generator: torch.Generator
-) -> torch.Tensor:
+def sample_dirichlet(concentration: float, n_rows: int, n_cols: int, generator: torch.Generator) -> torch.Tensor:
     """``n_rows`` independent draws from the symmetric Dirichlet(concentration, ..., concentration)
     on ``n_cols`` outcomes, float64 [n_rows, n_cols], rows summing to 1.
 
@@ -128,9 +125,7 @@ class MarkovLanguage:
     Defaults give H = 1.842 nats (see the module docstring for what a small model reaches).
     """
 
-    def __init__(
-        self, order: int = 2, n_symbols: int = 16, seed: int = 0, concentration: float = 0.3
-    ):
+    def __init__(self, order: int = 2, n_symbols: int = 16, seed: int = 0, concentration: float = 0.3):
         if not isinstance(order, int) or order < 0:
             raise ValueError(f"order must be an int >= 0 (symbols of context), got {order!r}")
         if not isinstance(n_symbols, int) or not 2 <= n_symbols <= N_SYMBOL_SLOTS:
@@ -149,9 +144,7 @@ class MarkovLanguage:
                 f"concentration must be a positive finite number, got {concentration!r} "
                 "(try 0.1 for a peaked, low-entropy language, 1.0 for a flatter one)"
             )
-        probs = sample_dirichlet(
-            float(concentration), n_symbols**order, n_symbols, _generator(seed, _STREAM_TABLE)
-        )
+        probs = sample_dirichlet(float(concentration), n_symbols**order, n_symbols, _generator(seed, _STREAM_TABLE))
         self.seed = seed
         self.concentration = float(concentration)
         self._setup(probs, order)
@@ -184,8 +177,9 @@ class MarkovLanguage:
                 f"got {n} symbols and {n_contexts} contexts"
             )
         if (p < 0).any() or not torch.allclose(p.sum(1), torch.ones(n_contexts, dtype=p.dtype)):
-            raise ValueError("each row of transition_probs must be a probability distribution "
-                             "(non-negative, summing to 1)")
+            raise ValueError(
+                "each row of transition_probs must be a probability distribution (non-negative, summing to 1)"
+            )
         # Rows typed as float32 (0.9 + 0.1 != 1 in float64) would leak mass in every step of the
         # float64 power iteration and stop it converging, so make them sum to 1 in float64.
         p = p / p.sum(1, keepdim=True)
@@ -412,9 +406,7 @@ def _check_rank(rank: int, world_size: int) -> None:
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(
-            f"rank must be an int in 0..world_size-1 = 0..{world_size - 1}, got {rank!r}"
-        )
+        raise ValueError(f"rank must be an int in 0..world_size-1 = 0..{world_size - 1}, got {rank!r}")
 
 
 def make_dataset(lang: MarkovLanguage, n_tokens: int, seq_len: int, seed: int) -> TokenDataset:

@@ -5,8 +5,8 @@ import matplotlib
 
 matplotlib.use("Agg")  # tests draw headless: no window, the same drawing
 
-import matplotlib.pyplot as plt  # noqa: E402
-import pytest  # noqa: E402
+import matplotlib.pyplot as plt
+import pytest
 
 # pyproject's --basetemp puts tmp_path under build/ (nothing in the system's temp folder); pytest
 # creates that folder but not its parent.

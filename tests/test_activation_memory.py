@@ -7,9 +7,9 @@ one more [b, s, h] tensor moves the total by ~5% and shows up in the message).
 
 import pytest
 
-from course_lib.model import config as configs
 from course_lib.cost.activations import activation_bytes_per_layer, korthikanti_bytes_per_layer
 from course_lib.measure.activations import measure_layer_bytes
+from course_lib.model import config as configs
 
 CFG = configs.get("tiny", n_heads=8, n_kv_heads=4)
 TOLERANCE = 0.10
@@ -21,7 +21,8 @@ def _check(measured: dict, tp: int, attention: str, batch: int):
         assert abs(got - model) <= TOLERANCE * model, (
             f"{'TP+SP' if sp else 'TP' if tp > 1 else 'dense'} t={tp}, s={s}, {attention} attention: measured "
             f"{got} B saved for backward, the model predicts {model:.0f} B ({(got - model) / model:+.1%}); "
-            "compare activation_terms() with what each operation of the block saves")
+            "compare activation_terms() with what each operation of the block saves"
+        )
 
 
 @pytest.mark.parametrize("attention", ["flash", "math"])
@@ -37,7 +38,8 @@ def test_math_attention_adds_the_quadratic_term():
     for s, e in extra.items():
         assert e == 4 * CFG.n_heads * s * (s - 1), (
             f"at s={s} the math kernel should keep a·s² softmax probabilities instead of a·s log-sum-exps "
-            f"({4 * CFG.n_heads * s * (s - 1)} B more), measured {e} B more")
+            f"({4 * CFG.n_heads * s * (s - 1)} B more), measured {e} B more"
+        )
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -48,7 +50,8 @@ def test_tp_and_sp_measurements_match_model(tp):
     for s in (16, 32):
         assert measured[(s, True)] * tp == dense[(s, False)], (
             f"TP+SP keeps every activation split t ways (Korthikanti eq. 3): measured {measured[(s, True)]} B per "
-            f"rank at t={tp} should be the dense {dense[(s, False)]} B / {tp}")
+            f"rank at t={tp} should be the dense {dense[(s, False)]} B / {tp}"
+        )
         assert measured[(s, True)] < measured[(s, False)] < dense[(s, False)], "dense > TP > TP+SP per rank"
 
 

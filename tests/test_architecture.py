@@ -30,11 +30,26 @@ ALLOWED = {
     "optim": BASE,
     "precision": BASE,
     "cost": BASE + ("course_lib.model.config",),  # formulas read a ModelConfig's sizes
-    "parallel": BASE + ("course_lib.model", "course_lib.data", "course_lib.optim", "course_lib.precision", "course_lib.cost"),
-    "inference": BASE + ("course_lib.model", "course_lib.data", "course_lib.optim", "course_lib.precision",
-                         "course_lib.cost", "course_lib.parallel"),
-    "checkpoint": BASE + ("course_lib.model", "course_lib.data", "course_lib.optim", "course_lib.precision",
-                          "course_lib.cost", "course_lib.parallel"),
+    "parallel": BASE
+    + ("course_lib.model", "course_lib.data", "course_lib.optim", "course_lib.precision", "course_lib.cost"),
+    "inference": BASE
+    + (
+        "course_lib.model",
+        "course_lib.data",
+        "course_lib.optim",
+        "course_lib.precision",
+        "course_lib.cost",
+        "course_lib.parallel",
+    ),
+    "checkpoint": BASE
+    + (
+        "course_lib.model",
+        "course_lib.data",
+        "course_lib.optim",
+        "course_lib.precision",
+        "course_lib.cost",
+        "course_lib.parallel",
+    ),
     "measure": ("course_lib.",),  # anything but grading (checked below)
     "plots": (),  # numbers in, Axes out
     "grading": ("course_lib.",),
@@ -64,12 +79,15 @@ def imports_of(path: Path, root: Path) -> list[tuple[str, int, bool]]:
         for child in ast.iter_child_nodes(node):
             inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
             if isinstance(child, ast.Import):
-                found.extend((a.name, child.lineno, in_function) for a in child.names if a.name.startswith("course_lib"))
+                found.extend(
+                    (a.name, child.lineno, in_function) for a in child.names if a.name.startswith("course_lib")
+                )
             elif isinstance(child, ast.ImportFrom) and child.module and child.module.startswith("course_lib"):
                 for a in child.names:  # `from course_lib.x import y` may name a module y or a name in x
                     sub = f"{child.module}.{a.name}"
                     is_module = (root.parent / sub.replace(".", "/")).with_suffix(".py").exists() or (
-                        root.parent / sub.replace(".", "/") / "__init__.py").exists()
+                        root.parent / sub.replace(".", "/") / "__init__.py"
+                    ).exists()
                     found.append((sub if is_module else child.module, child.lineno, in_function))
             visit(child, inside)
 
@@ -89,31 +107,39 @@ def violations(root: Path = LIB) -> list[str]:
             if target.startswith(me + ".") or target == me:
                 continue
             if in_function:
-                problems.append(f"{where}: imports {target} inside a function; import it at the top (a hidden "
-                                f"import hides a cycle)")
+                problems.append(
+                    f"{where}: imports {target} inside a function; import it at the top (a hidden import hides a cycle)"
+                )
             graph[me].add(target)
             theirs = layer_of(target)
             if theirs == layer:
                 if layer == "parallel":  # sibling strategies do not import each other; only compose.py combines
                     mine, other = me.split(".")[2], target.split(".")[2]
                     if mine != other and mine != "compose":
-                        problems.append(f"{where}: parallel/{mine} imports parallel/{other}: sibling strategies "
-                                        f"stay independent; combine them in parallel/compose.py")
+                        problems.append(
+                            f"{where}: parallel/{mine} imports parallel/{other}: sibling strategies "
+                            f"stay independent; combine them in parallel/compose.py"
+                        )
                 continue
             if theirs == "grading" and layer != "cli":
                 problems.append(f"{where}: imports {target}: nothing in course_lib imports grading")
                 continue
             if theirs == "measure" and layer != "measure":
-                problems.append(f"{where}: imports {target}: measurement harnesses are for lectures, tests and "
-                                f"benchmarks; move what the algorithm needs below (beside dist's counter)")
+                problems.append(
+                    f"{where}: imports {target}: measurement harnesses are for lectures, tests and "
+                    f"benchmarks; move what the algorithm needs below (beside dist's counter)"
+                )
                 continue
             allowed = ALLOWED.get(layer)
             if allowed is None:
                 problems.append(f"{where}: module {me} is in no layer of ARCHITECTURE.md")
-            elif not any(target == a or target.startswith(a + ".") or (a.endswith(".") and target.startswith(a))
-                         for a in allowed):
-                problems.append(f"{where}: {layer} may not import {target} (upward or sideways in ARCHITECTURE.md): "
-                                f"{layer} may use only {', '.join(allowed) or 'matplotlib and plain data'}")
+            elif not any(
+                target == a or target.startswith(a + ".") or (a.endswith(".") and target.startswith(a)) for a in allowed
+            ):
+                problems.append(
+                    f"{where}: {layer} may not import {target} (upward or sideways in ARCHITECTURE.md): "
+                    f"{layer} may use only {', '.join(allowed) or 'matplotlib and plain data'}"
+                )
     problems += [f"import cycle: {' -> '.join(c)}" for c in cycles(graph)]
     return problems
 
@@ -169,6 +195,9 @@ def test_the_check_fails_on_a_planted_upward_import_and_a_cycle(tmp_path):
 
 
 def test_every_module_is_in_a_layer():
-    stray = [module_name(p, LIB) for p in LIB.rglob("*.py") if layer_of(module_name(p, LIB)) not in ALLOWED
-             and module_name(p, LIB) != "course_lib"]
+    stray = [
+        module_name(p, LIB)
+        for p in LIB.rglob("*.py")
+        if layer_of(module_name(p, LIB)) not in ALLOWED and module_name(p, LIB) != "course_lib"
+    ]
     assert not stray, f"modules outside the layers of ARCHITECTURE.md: {stray}"

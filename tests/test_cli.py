@@ -14,13 +14,22 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 
 
-
 def test_command_a_serves_the_lectures_in_jupyterlab(tmp_path, free_port):
     port = free_port
-    env = {**os.environ, "JUPYTER_TOKEN": "course-test", "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg"),
-           "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt"), "BROWSER": "true"}
-    server = subprocess.Popen([sys.executable, "-m", "course_lib.cli", "lectures", "--port", str(port)],
-                              cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {
+        **os.environ,
+        "JUPYTER_TOKEN": "course-test",
+        "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg"),
+        "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt"),
+        "BROWSER": "true",
+    }
+    server = subprocess.Popen(
+        [sys.executable, "-m", "course_lib.cli", "lectures", "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         listing = None
         for _ in range(120):  # JupyterLab takes a few seconds to start
@@ -50,9 +59,23 @@ def test_command_a_headless_executes_notebooks_to_html(tmp_path):
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(6 * 7)")])
     (tmp_path / "nb").mkdir()
     nbformat.write(nb, tmp_path / "nb" / "01_demo.ipynb")
-    out = subprocess.run([sys.executable, "-m", "course_lib.cli", "lectures", "--execute",
-                          "--dir", str(tmp_path / "nb"), "--build", str(tmp_path / "html")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "course_lib.cli",
+            "lectures",
+            "--execute",
+            "--dir",
+            str(tmp_path / "nb"),
+            "--build",
+            str(tmp_path / "html"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     html = (tmp_path / "html" / "01_demo.html").read_text()
     assert "42" in html, "the HTML copy must hold the executed cell's output"

@@ -77,9 +77,7 @@ def test_deepseek_v3_checkpoint_with_mtp_is_685b():
     )
 
 
-@pytest.mark.parametrize(
-    "name, kb", [("deepseek-v3", 70), ("qwen2.5-72b", 327), ("llama-3.1-405b", 516)]
-)
+@pytest.mark.parametrize("name, kb", [("deepseek-v3", 70), ("qwen2.5-72b", 327), ("llama-3.1-405b", 516)])
 def test_kv_cache_bytes_per_token_match_deepseek_table(name, kb):
     ours = configs.get(name).kv_cache_bytes_per_token(bytes_per_element=2) / 1000
     assert abs(ours - kb) < 1, (
@@ -116,15 +114,16 @@ def test_course_configs():
     assert tiny.vocab_size == small.vocab_size == tokenizer.VOCAB_SIZE, (
         "the course models must use course_lib.model.tokenizer.VOCAB_SIZE, or the data's token ids overflow the embedding"
     )
-    shape = lambda c: (c.d_model, c.n_layers, c.n_heads, c.n_kv_heads, c.max_seq_len)  # noqa: E731
+    shape = lambda c: (c.d_model, c.n_layers, c.n_heads, c.n_kv_heads, c.max_seq_len)
     assert shape(tiny) == (64, 2, 4, 2, 64) and shape(small) == (128, 4, 4, 2, 128)
     assert not tiny.is_moe and not tiny.is_mla and set(tiny.layer_types) == {"full"}
 
 
 def test_names_and_get():
     assert configs.names()[:2] == ("tiny", "small")
-    assert {"deepseek-v3", "qwen2.5-72b", "llama-3.1-405b", "gpt-oss-120b", "gpt-oss-20b",
-            "qwen3-next-80b-a3b"} <= set(configs.names())
+    assert {"deepseek-v3", "qwen2.5-72b", "llama-3.1-405b", "gpt-oss-120b", "gpt-oss-20b", "qwen3-next-80b-a3b"} <= set(
+        configs.names()
+    )
     for name in configs.names():
         assert configs.get(name).source, f"config {name!r} must say where its numbers come from (source=...)"
     with pytest.raises(ValueError, match="known configs: tiny, small"):

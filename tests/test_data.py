@@ -39,9 +39,7 @@ def h2(p: float) -> float:
 def test_vocabulary_layout():
     assert VOCAB_SIZE == 64 and VOCAB_SIZE % 8 == 0, "VOCAB_SIZE is 64, a multiple of 8 (lec. 01)"
     assert len(VOCAB) == VOCAB_SIZE and len(set(VOCAB)) == VOCAB_SIZE, "one distinct string per id"
-    assert (BOS_ID, EOS_ID, PAD_ID, UNK_ID) == (60, 61, 62, 63), (
-        "special tokens sit after the 60 symbol slots"
-    )
+    assert (BOS_ID, EOS_ID, PAD_ID, UNK_ID) == (60, 61, 62, 63), "special tokens sit after the 60 symbol slots"
     assert all(" " not in t for t in VOCAB), "no spaces inside tokens"
 
 
@@ -143,9 +141,7 @@ def test_stationary_distribution_of_default_language():
     for c in range(contexts):
         for x in range(n):
             dense[c, (c * n + x) % contexts] += lang.transition_probs[c, x]
-    assert torch.allclose(lang.stationary @ dense, lang.stationary, atol=1e-13, rtol=0), (
-        "pi must satisfy pi T = pi"
-    )
+    assert torch.allclose(lang.stationary @ dense, lang.stationary, atol=1e-13, rtol=0), "pi must satisfy pi T = pi"
     assert lang.stationary.sum().item() == pytest.approx(1.0, abs=1e-12)
     assert (lang.stationary > 0).all(), "Dirichlet rows are positive, so every context is visited"
 
@@ -348,10 +344,7 @@ def test_shard_refuses_an_uneven_split_unless_asked(dataset):
 def test_rank_batches_concatenate_to_the_single_process_batch(dataset, world_size):
     batch_size = 2  # global batch 2 * world_size; 24 sequences -> 12, 6, 4, 3 steps per epoch
     global_batches = list(dataset.batches(batch_size * world_size, seed=11, epochs=2))
-    per_rank = [
-        list(dataset.batches(batch_size, r, world_size, seed=11, epochs=2))
-        for r in range(world_size)
-    ]
+    per_rank = [list(dataset.batches(batch_size, r, world_size, seed=11, epochs=2)) for r in range(world_size)]
     assert all(len(b) == len(global_batches) for b in per_rank), "every rank runs the same steps"
     for step, (gx, gy) in enumerate(global_batches):
         x = torch.cat([per_rank[r][step][0] for r in range(world_size)])
@@ -409,7 +402,10 @@ def test_hf_tokenizer_round_trip(tmp_path, monkeypatch):
     tok = AutoTokenizer.from_pretrained(tmp_path / "tok", local_files_only=True)
     assert len(tok) == VOCAB_SIZE, "the HF tokenizer must have exactly the course vocabulary"
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id) == (
-        BOS_ID, EOS_ID, PAD_ID, UNK_ID,
+        BOS_ID,
+        EOS_ID,
+        PAD_ID,
+        UNK_ID,
     ), "special token ids must match course_lib's"
     sample = MarkovLanguage().sample(200, seed=0).tolist() + [EOS_ID, BOS_ID, 3]
     text = decode(sample)

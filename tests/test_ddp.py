@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from course_lib.model import config as configs
 from course_lib import data
-from course_lib.parallel.data.ddp import DistributedDataParallel, assign_buckets, split_batch
-from course_lib.measure.ddp import trace_step
 from course_lib.dist import counter, launch, trace
+from course_lib.measure.ddp import trace_step
+from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer, next_token_loss
+from course_lib.parallel.data.ddp import DistributedDataParallel, assign_buckets, split_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 CAP_MB = 0.05  # ~52 KB: the tiny model (417 KiB of gradients) gets 5 buckets
@@ -82,7 +82,7 @@ def _against_torch(steps: int):
     grad_diffs = []
     for step in range(steps):
         accumulate = step % 2 == 1
-        micro = [_shard(b) for b in batches[2 * step:2 * step + (2 if accumulate else 1)]]
+        micro = [_shard(b) for b in batches[2 * step : 2 * step + (2 if accumulate else 1)]]
         for model, opt in zip((ours, ref), opts):
             opt.zero_grad(set_to_none=True)
             if accumulate:
@@ -106,7 +106,9 @@ def test_gradients_and_parameters_bit_equal_torch_ddp(world):
                 "gradients should equal torch DDP exactly: same buckets in reverse registration order, the "
                 "same layout inside each bucket, grad·(1/W) copied in, then SUM"
             )
-        assert param_diff == 0, f"rank {rank}: after 4 AdamW steps {param_diff} parameter elements differ from torch DDP"
+        assert param_diff == 0, (
+            f"rank {rank}: after 4 AdamW steps {param_diff} parameter elements differ from torch DDP"
+        )
 
 
 def _division_order():
@@ -189,7 +191,9 @@ def _different_init():
 def test_construction_broadcasts_rank0_state():
     results = launch(_different_init, 2, timeout=60)
     for rank, (flat, _) in enumerate(results):
-        assert torch.equal(flat, results[0][0]), f"rank {rank} should hold rank 0's parameters and buffers after wrapping"
+        assert torch.equal(flat, results[0][0]), (
+            f"rank {rank} should hold rank 0's parameters and buffers after wrapping"
+        )
     n = results[0][1].numel()
     assert torch.equal(results[1][0][:n], results[0][1]), "the common state should be the one rank 0 drew"
 
@@ -248,7 +252,9 @@ def test_no_sync_accumulates_locally_without_communication():
     for rank, (inside, local_equal, outside, n_buckets) in enumerate(launch(_no_sync_counts, 2, timeout=60)):
         assert inside == 0, f"rank {rank}: {inside} all-reduces inside no_sync(); it must not communicate"
         assert local_equal, f"rank {rank}: inside no_sync() the gradient should be the rank's own local gradient"
-        assert outside == n_buckets, f"rank {rank}: the synchronised backward should all-reduce each of the {n_buckets} buckets once"
+        assert outside == n_buckets, (
+            f"rank {rank}: the synchronised backward should all-reduce each of the {n_buckets} buckets once"
+        )
 
 
 # ---------------------------------------------------------------------------- single-process reference
@@ -349,9 +355,20 @@ def _free_port() -> int:
 
 def test_lab02_runs_under_accelerate_launch():
     cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", "solutions/accelerate/cpu.yaml",
-        "--num_processes", "2", "--main_process_port", str(_free_port()), "solutions/lab02_ddp/run.py",
-        "--steps", "2", "--batch", "8",
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "solutions/accelerate/cpu.yaml",
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(_free_port()),
+        "solutions/lab02_ddp/run.py",
+        "--steps",
+        "2",
+        "--batch",
+        "8",
     ]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr

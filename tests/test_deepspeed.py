@@ -42,7 +42,8 @@ def test_deepspeed_and_course_zero_give_the_same_loss_curve():
         gap = max(abs(a - b) for a, b in zip(ds, ours))
         assert gap <= TOLERANCE[stage], (
             f"ZeRO-{stage}: DeepSpeed and course_lib loss curves differ by up to {gap:.2e} (allowed "
-            f"{TOLERANCE[stage]:g}) on the same model, data and seed:\nDeepSpeed  {ds}\ncourse_lib {ours}")
+            f"{TOLERANCE[stage]:g}) on the same model, data and seed:\nDeepSpeed  {ds}\ncourse_lib {ours}"
+        )
         assert ours[-1] < ours[0] - 0.5, f"ZeRO-{stage} should be training: loss went {ours[0]:.3f} -> {ours[-1]:.3f}"
 
 
@@ -53,13 +54,23 @@ def _free_port() -> int:
 
 
 def test_accelerate_launch_with_the_shipped_deepspeed_zero3_config():
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           "solutions/accelerate/deepspeed_zero3.yaml", "--main_process_port", str(_free_port()),
-           "solutions/lab03_zero/train_deepspeed.py", "--steps", "4"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "solutions/accelerate/deepspeed_zero3.yaml",
+        "--main_process_port",
+        str(_free_port()),
+        "solutions/lab03_zero/train_deepspeed.py",
+        "--steps",
+        "4",
+    ]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "2 ranks, DistributedType.DEEPSPEED, DeepSpeed ZeRO-3" in out.stdout, (
         "accelerate should start 2 DeepSpeed ranks (the script names the backend, or accelerate 1.15 "
-        "reports 1 process per rank on a CPU-only machine):\n" + out.stdout[-2000:])
+        "reports 1 process per rank on a CPU-only machine):\n" + out.stdout[-2000:]
+    )
     gap = float(out.stdout.split("max |loss difference| over 4 steps = ")[1].split()[0])
     assert gap <= TOLERANCE[3], f"under accelerate launch ZeRO-3 loss curves differ by {gap:.2e}:\n{out.stdout[-2000:]}"

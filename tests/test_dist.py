@@ -54,14 +54,16 @@ def test_closures_and_lambdas_travel_by_value():
 def test_function_defined_in_main_works_like_a_notebook_cell(tmp_path):
     """A notebook defines functions in __main__; they cannot be imported by the ranks, only sent."""
     script = tmp_path / "cell.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import torch.distributed as dist
         from course_lib.dist import launch
         def defined_in_a_cell(x):
             return x + dist.get_rank()
         if __name__ == "__main__":  # ranks import the script again; the guard keeps them from launching
             print(launch(defined_in_a_cell, 2, 10, timeout=60))
-    """))
+    """)
+    )
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "[10, 11]" in out.stdout
@@ -74,7 +76,7 @@ def _printer():
 
 def test_rank_output_is_shown_in_rank_order(capsys):
     launch(_printer, 3, timeout=60)
-    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("[rank")]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[rank")]
     assert lines == [f"[rank {r}] I am rank {r}" for r in range(3)], (
         "each rank's prints are replayed in rank order so notebook output is deterministic"
     )
@@ -206,9 +208,19 @@ def test_counter_counts_calls_and_payload_bytes_per_group():
     assert counts["all_reduce@world"] == {"calls": 1, "bytes": 4000}
     assert counts["isend@world"] == {"calls": 1, "bytes": 40} and counts["irecv@world"] == {"calls": 1, "bytes": 40}
     assert counts["all_gather_single@world"] == {"calls": 1, "bytes": 4000}, "all-gather counts this rank's shard"
-    assert counts["all_gather_into_tensor@world"] == {"calls": 1, "bytes": 4000}, "a call counts once, however torch implements it"
+    assert counts["all_gather_into_tensor@world"] == {"calls": 1, "bytes": 4000}, (
+        "a call counts once, however torch implements it"
+    )
     names = [s[0] for s in spans]
-    assert names == ["all_reduce", "matmul", "all_reduce", "isend", "irecv", "all_gather_single", "all_gather_into_tensor"]
+    assert names == [
+        "all_reduce",
+        "matmul",
+        "all_reduce",
+        "isend",
+        "irecv",
+        "all_gather_single",
+        "all_gather_into_tensor",
+    ]
     async_span = spans[2]
     assert async_span[1] == "comm" and async_span[2] >= 0.04, "an async op's span ends when wait() returns"
 

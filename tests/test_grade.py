@@ -6,14 +6,15 @@ import torch
 import torch.distributed as dist
 
 from course_lib.dist import launch
+from course_lib.grading.adapter import Adapter
 from course_lib.grading.grade import Result, Task, report, run_task
 
 
-def _passes(lab_dir):
-    assert lab_dir.name == "somewhere"
+def _passes(impl):
+    assert impl.roles() == ["answer"], "the check receives the adapter it was given"
 
 
-def _hangs(lab_dir):
+def _hangs(impl):
     while True:
         time.sleep(0.05)
 
@@ -23,26 +24,29 @@ def _rank_waits_forever():
         dist.recv(torch.zeros(1), src=0)  # rank 0 never sends
 
 
-def _a_rank_hangs(lab_dir):
+def _a_rank_hangs(impl):
     launch(_rank_waits_forever, 2, timeout=2)
 
 
-def _wrong(lab_dir):
+def _wrong(impl):
     assert 1 + 1 == 3, "look at the sum: 1 + 1 should be 3 here\nsecond line is not shown"
 
 
-def _todo(lab_dir):
+def _todo(impl):
     raise NotImplementedError("Task 2: the ring")
 
 
-def _crashes(lab_dir):
+def _crashes(impl):
     {}["missing"]
 
 
 def test_a_hanging_submission_loses_its_points_and_grading_goes_on(tmp_path):
-    lab = tmp_path / "somewhere"
-    tasks = [Task("hangs", 3, _hangs, timeout=2), Task("a rank hangs", 2, _a_rank_hangs, timeout=30),
-             Task("fine", 1, _passes)]
+    lab = Adapter.of_file(tmp_path / "somewhere.py", ["answer"])
+    tasks = [
+        Task("hangs", 3, _hangs, timeout=2),
+        Task("a rank hangs", 2, _a_rank_hangs, timeout=30),
+        Task("fine", 1, _passes),
+    ]
     start = time.monotonic()
     results = [run_task(t, lab) for t in tasks]
     assert time.monotonic() - start < 25, "each task's timeout must bound it"
@@ -53,8 +57,10 @@ def test_a_hanging_submission_loses_its_points_and_grading_goes_on(tmp_path):
 
 
 def test_feedback_is_one_line_that_says_what_to_look_at(tmp_path):
-    got = {t.name: run_task(t, tmp_path) for t in (
-        Task("wrong", 1, _wrong), Task("todo", 1, _todo), Task("crash", 1, _crashes))}
+    got = {
+        t.name: run_task(t, Adapter.of_file(tmp_path / "x.py", []))
+        for t in (Task("wrong", 1, _wrong), Task("todo", 1, _todo), Task("crash", 1, _crashes))
+    }
     assert got["wrong"].feedback == "look at the sum: 1 + 1 should be 3 here"
     assert got["todo"].feedback == "not implemented yet: Task 2: the ring"
     assert got["crash"].feedback.startswith("raised KeyError"), got["crash"].feedback

@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 
 from course_lib.model import config as configs
 from course_lib.model import tokenizer as course_tokenizer
-from course_lib.model.transformer import Transformer, generate
 from course_lib.model.hf_export import export_hf
+from course_lib.model.transformer import Transformer, generate
 
 PROMPT = "ba de fi go ku la me ni"
 

@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from course_lib.grading import grade
-from course_lib.grading import starters
+from course_lib.grading import grade, starters
 
 ROOT = Path(__file__).resolve().parent.parent
 LABS = sorted(p.name for p in (ROOT / "solutions").glob("lab*") if p.is_dir())
@@ -45,11 +44,20 @@ def test_grade_cli_exit_code_and_table(capsys):
         grade.main(["lab99"])
 
 
-
 def test_lab01_runs_under_accelerate_launch_at_4_ranks(free_port):
     cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", "solutions/accelerate/cpu.yaml",
-        "--main_process_port", str(free_port), "solutions/lab01_collectives/run.py", "--sizes-kib", "4", "--repeats", "2",
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "solutions/accelerate/cpu.yaml",
+        "--main_process_port",
+        str(free_port),
+        "solutions/lab01_collectives/run.py",
+        "--sizes-kib",
+        "4",
+        "--repeats",
+        "2",
     ]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr

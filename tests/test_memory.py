@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from course_lib.dist.census import held_bytes
-from course_lib.measure.zero import measure_stages, measured_comm_bytes, measured_state_bytes
 from course_lib.cost.comm import paper_comm_volume, ring_wire_bytes, zero_comm_bytes
 from course_lib.cost.memory import zero_model_state_bytes
+from course_lib.dist.census import held_bytes
+from course_lib.measure.zero import measure_stages, measured_comm_bytes, measured_state_bytes
 
 GB = 1e9
 
@@ -20,7 +20,9 @@ def test_formula_reproduces_the_papers_example():
 
 def test_formula_shapes():
     psi, n = 1000, 4
-    assert zero_model_state_bytes(psi, 1, 3) == zero_model_state_bytes(psi, 1, 0) == 16 * psi, "one rank: nothing to shard"
+    assert zero_model_state_bytes(psi, 1, 3) == zero_model_state_bytes(psi, 1, 0) == 16 * psi, (
+        "one rank: nothing to shard"
+    )
     assert zero_model_state_bytes(psi, n, 2) == 2 * psi + 14 * psi / n
     assert zero_model_state_bytes(psi, n, 0, k=8, param_bytes=4, grad_bytes=4) == 16 * psi, "fp32 Adam: 4+4+8 bytes"
     assert [paper_comm_volume(s) for s in (0, 1, 2, 3)] == [2, 2, 2, 3], "ZeRO paper §7: 2Ψ, 2Ψ, 2Ψ, 3Ψ"
@@ -35,11 +37,13 @@ def test_deepspeed_estimators_count_an_fp32_gradient_partition_and_a_layer_buffe
     psi, n, layer = 10**9, 8, 10**7
     _, ds2 = estimate_zero2_model_states_mem_needs(psi, num_gpus_per_node=n, cpu_offload=False)
     assert ds2 - zero_model_state_bytes(psi, n, 2) == pytest.approx(4 * psi / n, abs=1), (
-        "ZeRO-2: DeepSpeed = paper + an fp32 copy of the gradient partition (4Ψ/N)")
+        "ZeRO-2: DeepSpeed = paper + an fp32 copy of the gradient partition (4Ψ/N)"
+    )
     _, ds3, _ = estimate_zero3_model_states_mem_needs(psi, layer, num_gpus_per_node=n, cpu_offload=False)
     assert ds3 - zero_model_state_bytes(psi, n, 3) == pytest.approx(2 * psi / n + 4 * layer, abs=1), (
         "ZeRO-3: DeepSpeed = paper with an fp32 instead of a 16-bit gradient partition (+2Ψ/N), plus the 16-bit "
-        "parameters and gradients of the largest layer (4 bytes each)")
+        "parameters and gradients of the largest layer (4 bytes each)"
+    )
 
 
 def test_held_bytes_counts_each_storage_once():
@@ -56,8 +60,11 @@ def test_held_bytes_counts_each_storage_once():
 
 
 def test_ring_wire_bytes_from_counter_payloads():
-    counts = {"all_reduce@world": {"calls": 1, "bytes": 400}, "reduce_scatter_single@dp": {"calls": 2, "bytes": 400},
-              "all_gather_single@dp": {"calls": 2, "bytes": 100}}
+    counts = {
+        "all_reduce@world": {"calls": 1, "bytes": 400},
+        "reduce_scatter_single@dp": {"calls": 2, "bytes": 400},
+        "all_gather_single@dp": {"calls": 2, "bytes": 100},
+    }
     assert ring_wire_bytes(counts, 4) == 2 * 3 / 4 * 400 + 3 / 4 * 400 + 3 * 100
     assert ring_wire_bytes(counts, 4, group="dp") == 3 / 4 * 400 + 3 * 100
     with pytest.raises(ValueError, match="'broadcast'"):
@@ -95,7 +102,8 @@ def test_measured_bytes_per_rank_match_the_formula(world, precision):
             assert abs(measured - m["state_formula"]) <= 0.05 * m["state_formula"], (
                 f"ZeRO-{stage} ({precision}, N={world}): rank {rank} holds {measured} bytes of parameters, gradients "
                 f"and optimizer state; the formula says {m['state_formula']:.0f}. Something is kept whole that "
-                f"stage {stage} shards, or a buffer is leaked: breakdown {m['state_breakdown']}")
+                f"stage {stage} shards, or a buffer is leaked: breakdown {m['state_breakdown']}"
+            )
 
 
 @pytest.mark.parametrize("world, precision", CASES)
@@ -105,7 +113,8 @@ def test_communicated_bytes_per_step_match_the_formula(world, precision):
             assert abs(measured - m["comm_formula"]) <= 0.05 * m["comm_formula"], (
                 f"ZeRO-{stage} ({precision}, N={world}): rank {rank} moved {measured:.0f} bytes in one step (ring "
                 f"wire bytes from the counter), the formula {paper_comm_volume(stage)}(N-1)/N·Ψ·bytes says "
-                f"{m['comm_formula']:.0f}")
+                f"{m['comm_formula']:.0f}"
+            )
 
 
 def test_lecture_helpers_give_one_bar_pair_per_stage():

@@ -70,7 +70,10 @@ def test_attention_matches_textbook_reference(n_kv_heads):
     x = torch.randn(2, 12, cfg.d_model)
     cos, sin = rope_cos_sin(12, cfg.head_dim, cfg.rope_theta)
     torch.testing.assert_close(
-        attn(x, cos, sin), _reference_attention(attn, x, cos, sin), rtol=1e-5, atol=1e-6,
+        attn(x, cos, sin),
+        _reference_attention(attn, x, cos, sin),
+        rtol=1e-5,
+        atol=1e-6,
         msg=lambda m: f"Attention (n_kv_heads={n_kv_heads}) differs from the per-head reference: {m}",
     )
 
@@ -88,16 +91,21 @@ def test_gqa_equals_mha_with_shared_kv_heads():
     mha.load_state_dict(state)
     tokens = _tokens()
     torch.testing.assert_close(
-        gqa(tokens), mha(tokens), rtol=1e-5, atol=1e-6,
-        msg=lambda m: "a GQA model must equal the MHA model whose K/V heads are its K/V heads copied "
-        f"n_heads/n_kv_heads times (query head h reads K/V head h // group): {m}",
+        gqa(tokens),
+        mha(tokens),
+        rtol=1e-5,
+        atol=1e-6,
+        msg=lambda m: (
+            "a GQA model must equal the MHA model whose K/V heads are its K/V heads copied "
+            f"n_heads/n_kv_heads times (query head h reads K/V head h // group): {m}"
+        ),
     )
 
 
 def test_rope_depends_on_relative_position_only():
     cos, sin = rope_cos_sin(32, 16, 10_000.0)
     q, k = torch.randn(16), torch.randn(16)
-    rot = lambda x, m: apply_rope(x.view(1, 1, 1, -1), cos[m : m + 1], sin[m : m + 1]).flatten()  # noqa: E731
+    rot = lambda x, m: apply_rope(x.view(1, 1, 1, -1), cos[m : m + 1], sin[m : m + 1]).flatten()
     dots = [rot(q, m + 5) @ rot(k, m) for m in range(0, 20, 4)]
     assert torch.allclose(torch.stack(dots), dots[0].expand(len(dots)), atol=1e-4), (
         f"RoPE: q at position m+5 dotted with k at position m must not depend on m; got {dots}"

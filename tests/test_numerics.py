@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn as nn
 
+from course_lib.cost import alignment
 from course_lib.precision import formats as numerics
+from course_lib.precision import scaling
 from course_lib.precision.formats import FORMATS
 from course_lib.precision.scaling import DynamicLossScaler
-from course_lib.precision import scaling
-from course_lib.cost import alignment
 
 TORCH_FORMATS = [n for n, f in FORMATS.items() if f.dtype is not None]
 LOW_PRECISION = [n for n in FORMATS if n != "fp32"]
@@ -22,7 +22,8 @@ def test_bit_layout_formulas_reproduce_torch_finfo(name):
     assert f.bits == fi.bits
     assert (f.max, f.eps, f.smallest_normal) == (fi.max, fi.eps, fi.smallest_normal), (
         f"{name}: the layout (E={f.exponent_bits}, M={f.mantissa_bits}, bias={f.bias}, {f.specials}) gives "
-        f"max {f.max}, eps {f.eps}, tiny {f.smallest_normal}; torch.finfo says {fi.max}, {fi.eps}, {fi.tiny}")
+        f"max {f.max}, eps {f.eps}, tiny {f.smallest_normal}; torch.finfo says {fi.max}, {fi.eps}, {fi.tiny}"
+    )
     row = numerics.format_table([name])[0]
     assert row["source"] == "torch.finfo" and row["max"] == fi.max and row["eps"] == fi.eps
 
@@ -30,12 +31,14 @@ def test_bit_layout_formulas_reproduce_torch_finfo(name):
 @pytest.mark.parametrize("name", LOW_PRECISION)
 def test_table_agrees_with_values_measured_by_rounding(name):
     row = numerics.format_table([name])[0]
-    rnd = lambda v: numerics.round_to_format(torch.tensor([v], dtype=torch.float64), name).item()  # noqa: E731
+    rnd = lambda v: numerics.round_to_format(torch.tensor([v], dtype=torch.float64), name).item()
     eps, sub, mx = row["eps"], row["smallest_subnormal"], row["max"]
-    assert rnd(1 + eps) == 1 + eps and rnd(1 + eps / 2) == 1.0 and rnd(1 + 0.75 * eps) == 1 + eps, \
+    assert rnd(1 + eps) == 1 + eps and rnd(1 + eps / 2) == 1.0 and rnd(1 + 0.75 * eps) == 1 + eps, (
         f"{name}: eps is the gap above 1 (1 + eps/2 is a tie and rounds to even, i.e. to 1)"
-    assert rnd(sub) == sub and rnd(sub / 2) == 0.0 and rnd(0.75 * sub) == sub, \
+    )
+    assert rnd(sub) == sub and rnd(sub / 2) == 0.0 and rnd(0.75 * sub) == sub, (
         f"{name}: {sub} must be the smallest positive value (half of it ties to 0)"
+    )
     assert rnd(mx) == mx
     above = rnd(mx * (1 + eps))
     if FORMATS[name].specials == "ieee":
@@ -50,11 +53,13 @@ def test_fp4_e2m1_from_its_bit_layout():
     row = numerics.format_table(["fp4_e2m1"])[0]
     assert row["source"] == "bit layout"
     assert (row["max"], row["smallest_normal"], row["smallest_subnormal"], row["eps"]) == (6.0, 1.0, 0.5, 0.5)
-    assert numerics.representable_values("fp4_e2m1").tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 6], \
+    assert numerics.representable_values("fp4_e2m1").tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 6], (
         "the OCP Microscaling spec lists E2M1's magnitudes as 0, 0.5, 1, 1.5, 2, 3, 4, 6"
+    )
     x = torch.tensor([0.2, 0.25, 0.3, 1.25, 1.3, 2.5, 3.5, 5.0, 5.1, 100.0, -0.74, -0.76])
-    assert numerics.round_to_format(x, "fp4_e2m1").tolist() == [0, 0, 0.5, 1, 1.5, 2, 4, 4, 6, 6, -0.5, -1], \
+    assert numerics.round_to_format(x, "fp4_e2m1").tolist() == [0, 0, 0.5, 1, 1.5, 2, 4, 4, 6, 6, -0.5, -1], (
         "nearest value, ties to the even mantissa, saturation at ±6"
+    )
 
 
 @pytest.mark.parametrize("name", [n for n in TORCH_FORMATS if n != "fp32"])
@@ -70,8 +75,10 @@ def test_emulated_rounding_equals_torch_casts(name):
     x = torch.cat([x, grid.float(), midpoints, torch.tensor([math.inf, -math.inf, 0.0])])
     torch_cast, emulated = numerics.round_to_format(x, name), numerics.round_to_format(x, name, emulate=True)
     bad = torch_cast != emulated
-    assert not bad.any(), (f"{name}: emulation differs from torch's cast at {x[bad][:4].tolist()}: torch "
-                           f"{torch_cast[bad][:4].tolist()}, emulated {emulated[bad][:4].tolist()}")
+    assert not bad.any(), (
+        f"{name}: emulation differs from torch's cast at {x[bad][:4].tolist()}: torch "
+        f"{torch_cast[bad][:4].tolist()}, emulated {emulated[bad][:4].tolist()}"
+    )
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
@@ -94,6 +101,7 @@ def test_bad_format_names_are_explained():
 
 
 # ---- dynamic loss scaling ---------------------------------------------------------------------------
+
 
 def _run_scaler(scaler, inf_steps, n_steps=12):
     """Tiny regression where the gradient of chosen steps is poisoned with inf."""
@@ -130,10 +138,12 @@ def test_loss_scaler_state_machine():
     scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=3)
     scales, stepped, _ = _run_scaler(scaler, inf_steps={2, 3, 9})
     # 0,1 clean; 2,3 overflow (halve twice, count reset); 4,5,6 clean -> grow at 6; 7,8 clean; 9 overflow; 10,11 clean
-    assert stepped == [True, True, False, False, True, True, True, True, True, False, True, True], \
+    assert stepped == [True, True, False, False, True, True, True, True, True, False, True, True], (
         "an overflowing step must leave the weights untouched"
-    assert scales == [1024, 1024, 512, 256, 256, 256, 512, 512, 512, 256, 256, 256], \
+    )
+    assert scales == [1024, 1024, 512, 256, 256, 256, 512, 512, 512, 256, 256, 256], (
         "overflow halves the scale at once; growth needs growth_interval clean steps in a row"
+    )
     assert [h["action"] for h in scaler.history][:3] == ["step", "step", "overflow: skip step, back off"]
 
 
@@ -159,6 +169,7 @@ def test_unscaled_gradients_are_exact():
 
 
 # ---- shape alignment --------------------------------------------------------------------------------
+
 
 def test_tile_utilisation():
     assert alignment.pad_to_multiple(4095, 8) == 4096 and alignment.pad_to_multiple(64, 8) == 64

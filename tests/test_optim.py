@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-from course_lib.model import config as configs
-from course_lib.optim import optimizers as optim
-from course_lib.data import MarkovLanguage, make_dataset
-from course_lib.model.transformer import Transformer
 from course_lib.cost import memory as cost_memory
+from course_lib.data import MarkovLanguage, make_dataset
 from course_lib.dist import census
+from course_lib.model import config as configs
+from course_lib.model.transformer import Transformer
+from course_lib.optim import optimizers as optim
 
 
 def _tiny_and_batches(n_batches=4):
@@ -34,14 +34,19 @@ def _train_side_by_side(make_a, make_b, steps=4):
 
 
 TORCH_PAIRS = {
-    "sgd + L2": (lambda p: optim.SGD(p, lr=0.1, weight_decay=0.01),
-                 lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=0.01)),
-    "momentum": (lambda p: optim.SGD(p, lr=0.1, momentum=0.9),
-                 lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
-    "adam + L2": (lambda p: optim.Adam(p, lr=1e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1),
-                  lambda p: torch.optim.Adam(p, lr=1e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)),
-    "adamw": (lambda p: optim.AdamW(p, lr=3e-3, weight_decay=0.1),
-              lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.1)),
+    "sgd + L2": (
+        lambda p: optim.SGD(p, lr=0.1, weight_decay=0.01),
+        lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=0.01),
+    ),
+    "momentum": (lambda p: optim.SGD(p, lr=0.1, momentum=0.9), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
+    "adam + L2": (
+        lambda p: optim.Adam(p, lr=1e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1),
+        lambda p: torch.optim.Adam(p, lr=1e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1),
+    ),
+    "adamw": (
+        lambda p: optim.AdamW(p, lr=3e-3, weight_decay=0.1),
+        lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.1),
+    ),
 }
 
 
@@ -52,27 +57,40 @@ def test_matches_torch_optim_bit_for_bit(name):
         assert torch.equal(pa, pb), (
             f"{name}: parameter {pname} differs from torch.optim after 4 steps (max |diff| "
             f"{(pa - pb).abs().max().item():.3g}); the update must use torch's operations in torch's order "
-            "(lerp_ for m, bias corrections as Python floats), since any reordering changes the last bit")
+            "(lerp_ for m, bias corrections as Python floats), since any reordering changes the last bit"
+        )
 
 
 def test_param_groups_keep_their_own_hyperparameters():
     def groups(p):
         p = list(p)
         return [{"params": p[:3], "lr": 1e-2}, {"params": p[3:], "weight_decay": 0.0}]
-    a, b, _, _ = _train_side_by_side(lambda p: optim.AdamW(groups(p), lr=1e-3, weight_decay=0.1),
-                                     lambda p: torch.optim.AdamW(groups(p), lr=1e-3, weight_decay=0.1), steps=2)
-    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters())), \
+
+    a, b, _, _ = _train_side_by_side(
+        lambda p: optim.AdamW(groups(p), lr=1e-3, weight_decay=0.1),
+        lambda p: torch.optim.AdamW(groups(p), lr=1e-3, weight_decay=0.1),
+        steps=2,
+    )
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters())), (
         "each param group must use its own lr / weight_decay, as torch's do"
+    )
 
 
 def test_adafactor_agrees_with_torch_adafactor():
-    a, b, _, _ = _train_side_by_side(lambda p: optim.Adafactor(p, lr=1e-2, weight_decay=0.01),
-                                     lambda p: torch.optim.Adafactor(p, lr=1e-2, weight_decay=0.01))
+    a, b, _, _ = _train_side_by_side(
+        lambda p: optim.Adafactor(p, lr=1e-2, weight_decay=0.01),
+        lambda p: torch.optim.Adafactor(p, lr=1e-2, weight_decay=0.01),
+    )
     for (pname, pa), pb in zip(a.named_parameters(), b.parameters()):
         # Not bit-equal: torch forms row means as norm(g)²/m, we as mean(g²) (one sqrt and one
         # square fewer). Those orderings differ by a few ulps in V̂, hence 1e-5 relative.
-        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6, msg=lambda m: (
-            f"Adafactor {pname} drifted from torch.optim.Adafactor beyond rounding: {m}"))
+        torch.testing.assert_close(
+            pa,
+            pb,
+            rtol=1e-5,
+            atol=1e-6,
+            msg=lambda m, pname=pname: f"Adafactor {pname} drifted from torch.optim.Adafactor beyond rounding: {m}",
+        )
 
 
 def test_factored_second_moment_is_exact_for_rank_one():
@@ -80,8 +98,9 @@ def test_factored_second_moment_is_exact_for_rank_one():
     a, b = torch.rand(6, 1, generator=g, dtype=torch.float64), torch.rand(1, 5, generator=g, dtype=torch.float64)
     v = a @ b  # rank 1
     v_hat = optim.factored_second_moment(v.mean(-1, keepdim=True), v.mean(-2, keepdim=True))
-    torch.testing.assert_close(v_hat, v, rtol=1e-12, atol=0,
-                               msg="R Cᵀ / 1ᵀR must reconstruct a rank-1 V exactly (Shazeer & Stern 2018, §3)")
+    torch.testing.assert_close(
+        v_hat, v, rtol=1e-12, atol=0, msg="R Cᵀ / 1ᵀR must reconstruct a rank-1 V exactly (Shazeer & Stern 2018, §3)"
+    )
     v_full = torch.rand(6, 5, generator=g, dtype=torch.float64)  # rank 5: the estimate must now be off
     v_hat = optim.factored_second_moment(v_full.mean(-1, keepdim=True), v_full.mean(-2, keepdim=True))
     assert (v_hat - v_full).abs().max() > 1e-2, "a full-rank V cannot be rebuilt from n + m numbers"
@@ -98,8 +117,9 @@ def test_adafactor_first_step_uses_rank_one_reconstruction_of_g_squared():
     st = opt.state[p]
     assert st["row_var"].shape == (3, 1) and st["col_var"].shape == (1, 4), "state is one value per row and per column"
     v_hat = optim.factored_second_moment(st["row_var"], st["col_var"])
-    torch.testing.assert_close(v_hat, p.grad.square(), rtol=1e-6, atol=0,
-                               msg="the factored estimate must equal g² when g² has rank 1")
+    torch.testing.assert_close(
+        v_hat, p.grad.square(), rtol=1e-6, atol=0, msg="the factored estimate must equal g² when g² has rank 1"
+    )
     # U = g/√V̂ = sign(g): RMS 1, no clipping; α = max(ε₂, RMS(0)) · min(lr, 1/√1) = 1e-3 · 1e-2
     torch.testing.assert_close(p.detach(), -1e-5 * p.grad.sign(), rtol=1e-5, atol=0)
 
@@ -118,8 +138,9 @@ def test_lion_step_is_sign_valued():
         opt.step()
         step = (before - p.detach()) / 2.0**-6
         seen |= set(step.unique().tolist())
-    assert seen <= {-1.0, 0.0, 1.0} and {-1.0, 1.0} <= seen, \
+    assert seen <= {-1.0, 0.0, 1.0} and {-1.0, 1.0} <= seen, (
         f"Lion moves each coordinate by exactly ±lr (or 0 where c = 0); saw steps of {sorted(seen)} x lr"
+    )
 
 
 def test_lion_matches_its_equations_in_float64():
@@ -134,8 +155,9 @@ def test_lion_matches_its_equations_in_float64():
         c = 0.9 * m + 0.1 * grad
         ref = ref * (1 - 1e-3 * 0.1) - 1e-3 * torch.sign(c)
         m = 0.99 * m + 0.01 * grad
-    torch.testing.assert_close(p.detach(), ref, rtol=0, atol=1e-12,
-                               msg="Lion must follow Chen et al. 2023, Alg. 2: c, then θ, then m")
+    torch.testing.assert_close(
+        p.detach(), ref, rtol=0, atol=1e-12, msg="Lion must follow Chen et al. 2023, Alg. 2: c, then θ, then m"
+    )
 
 
 def test_lion_ignores_gradient_scale():
@@ -181,19 +203,24 @@ def test_state_bytes_formula_matches_measured_state(name):
     model, opt = _measure(lambda p: optim.build(name, p))
     assert census.optimizer_state_bytes(opt) == cost_memory.state_bytes(name, model.parameters()), (
         f"{name}: the bytes held in optimizer.state must equal the formula; a mismatch means the formula "
-        "forgot a state tensor or the optimizer keeps one it should not")
+        "forgot a state tensor or the optimizer keeps one it should not"
+    )
 
 
-@pytest.mark.parametrize("name,make", [
-    ("momentum", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
-    ("adam", lambda p: torch.optim.Adam(p)),
-    ("adamw", lambda p: torch.optim.AdamW(p)),
-    ("adafactor", lambda p: torch.optim.Adafactor(p)),
-])
+@pytest.mark.parametrize(
+    "name,make",
+    [
+        ("momentum", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
+        ("adam", lambda p: torch.optim.Adam(p)),
+        ("adamw", lambda p: torch.optim.AdamW(p)),
+        ("adafactor", lambda p: torch.optim.Adafactor(p)),
+    ],
+)
 def test_state_bytes_formula_matches_torch_optimizers(name, make):
     model, opt = _measure(make)
-    assert census.optimizer_state_bytes(opt) == cost_memory.state_bytes(name, model.parameters()), \
+    assert census.optimizer_state_bytes(opt) == cost_memory.state_bytes(name, model.parameters()), (
         f"torch.optim's {name} keeps a different amount of per-element state than state_bytes() says"
+    )
 
 
 def test_mixed_precision_adam_is_sixteen_bytes_per_param():

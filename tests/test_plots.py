@@ -2,8 +2,8 @@
 
 import pytest
 
-from course_lib.plots import basics as plots
 from course_lib.dist.trace import Span
+from course_lib.plots import basics as plots
 
 
 def test_loss_curves_draws_each_curve_and_the_floor():
@@ -37,8 +37,14 @@ def test_timeline_one_bar_per_span_on_its_rank_row():
     ax = plots.timeline(_spans(), unit="ms")
     bars = ax.collections  # one BrokenBarHCollection (PolyCollection) per span
     assert len(bars) == 4, "every span gets exactly one bar"
-    boxes = sorted((round(b.get_paths()[0].get_extents().x0, 6), round(b.get_paths()[0].get_extents().y0, 6),
-                    round(b.get_paths()[0].get_extents().width, 6)) for b in bars)
+    boxes = sorted(
+        (
+            round(b.get_paths()[0].get_extents().x0, 6),
+            round(b.get_paths()[0].get_extents().y0, 6),
+            round(b.get_paths()[0].get_extents().width, 6),
+        )
+        for b in bars
+    )
     # rank 0 is the top row (centre y = 1), rank 1 below it (y = 0); in each row compute is the upper
     # lane, comm the lower one; times in ms from the earliest start
     assert boxes == [(0.0, 1.0, 4.0), (1.0, 0.0, 4.0), (4.0, 0.6, 2.0), (5.0, -0.4, 1.0)], boxes
@@ -75,6 +81,7 @@ def _traced_rank():
     import torch.distributed as dist
 
     from course_lib.dist import trace
+
     with trace.record() as tl:
         with trace.span("forward"):
             x = torch.ones(1000).sum()
@@ -84,6 +91,7 @@ def _traced_rank():
 
 def test_timeline_draws_spans_recorded_by_launch():
     from course_lib.dist import launch
+
     spans = launch(_traced_rank, 2, timeout=60)
     ax = plots.timeline(spans)
     assert len(ax.collections) == sum(len(s) for s in spans) >= 4, "each rank's forward and all_reduce spans"

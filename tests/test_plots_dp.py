@@ -26,7 +26,8 @@ def test_timeline_draws_one_bar_per_span_and_ends_all_reduce_when_done():
     extents = [c.get_paths()[0].get_extents() for c in ax.collections]
     spans_ms = sorted((round(e.x0, 3), round(e.x1, 3)) for e in extents)
     assert (15.0, 22.0) in spans_ms, (
-        "the all-reduce bar must run from launch (15 ms) to completion (22 ms), not to the wait (30 ms)")
+        "the all-reduce bar must run from launch (15 ms) to completion (22 ms), not to the wait (30 ms)"
+    )
 
 
 def test_measured_vs_formula_bars_have_the_given_heights():

@@ -3,14 +3,15 @@
 import numpy as np
 import pytest
 
-from course_lib.plots import context_parallel as plots_parallel
 from course_lib.parallel.context import ring_attention
+from course_lib.plots import context_parallel as plots_parallel
 
 
 def test_chunk_owners_follow_the_library_layouts():
     assert ring_attention.chunk_owners(4, "contiguous") == [0, 0, 1, 1, 2, 2, 3, 3]
     assert ring_attention.chunk_owners(4, "zigzag") == [0, 1, 2, 3, 3, 2, 1, 0], (
-        "zigzag gives rank r chunks r and 2N-1-r (course_lib.parallel.context.ring_attention.zigzag_chunks)")
+        "zigzag gives rank r chunks r and 2N-1-r (course_lib.parallel.context.ring_attention.zigzag_chunks)"
+    )
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])

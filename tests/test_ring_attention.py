@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from course_lib.cost import activations as cost_activations
+from course_lib.cost import comm
+from course_lib.dist import Mesh, counter, device, launch
 from course_lib.parallel.context import ring_attention as ra
 from course_lib.parallel.context import ulysses
-from course_lib.dist import Mesh, counter, device, launch
-from course_lib.cost import comm
-from course_lib.cost import activations as cost_activations
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 B, H, HKV, D = 2, 4, 2, 8  # grouped-query: two query heads per K/V head
@@ -101,7 +101,9 @@ def test_zigzag_layout_gives_each_rank_one_early_and_one_late_chunk():
 
 
 def test_divisibility_errors_name_the_constraint():
-    with pytest.raises(ValueError, match=r"sequence length 12 is not divisible by 8 = 2 x the context-parallel degree 4"):
+    with pytest.raises(
+        ValueError, match=r"sequence length 12 is not divisible by 8 = 2 x the context-parallel degree 4"
+    ):
         ra.shard(torch.zeros(1, 1, 12, 4), 0, 4)
     q = torch.zeros(1, 2, 5, 4)
     with pytest.raises(ValueError, match="odd number.*divisible by 2 x the degree"):
@@ -151,7 +153,9 @@ def test_ring_sends_n_minus_1_kv_blocks_forward_as_the_formula_says(world):
     block = B * HKV * (s // world) * D * 4
     assert want["forward_bytes"] == 2 * (world - 1) * block
     for rank, (*_, fwd, bwd) in enumerate(results):
-        assert set(fwd) == {"isend@world", "irecv@world"}, f"ring attention must use point-to-point only, rank {rank} used {set(fwd)}"
+        assert set(fwd) == {"isend@world", "irecv@world"}, (
+            f"ring attention must use point-to-point only, rank {rank} used {set(fwd)}"
+        )
         assert fwd["isend@world"] == {"calls": want["forward_sends"], "bytes": want["forward_bytes"]}, (
             f"forward on rank {rank}: K and V each make N-1 = {world - 1} hops of {block} B; measured {fwd['isend@world']}"
         )
@@ -245,8 +249,20 @@ def test_lab06_run_py_under_accelerate_launch_at_2_ranks():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "solutions/accelerate/cpu.yaml",
-           "--num_processes", "2", "--main_process_port", str(port), "solutions/lab06_sequence_parallel/run.py", "--seq-len", "32"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "solutions/accelerate/cpu.yaml",
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(port),
+        "solutions/lab06_sequence_parallel/run.py",
+        "--seq-len",
+        "32",
+    ]
     out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     sent = re.search(r"ring forward: rank 0 sent (\d+) B; K and V, N-1 hops each: (\d+) B", out.stdout)

@@ -9,15 +9,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.model import config as configs
+from course_lib.cost.comm import ring_wire_bytes
 from course_lib.dist import Mesh, launch
+from course_lib.measure.tensor_parallel import collectives_per_layer
+from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.tensor.comms import all_gather_sequence, reduce_scatter_sequence
-from course_lib.measure.tensor_parallel import collectives_per_layer
-from course_lib.parallel.tensor.sequence import shard_sequence, sync_sequence_parallel_grads
-from course_lib.cost.comm import ring_wire_bytes
 from course_lib.parallel.tensor.layers import shard_of
 from course_lib.parallel.tensor.model import TPBlock, TPTransformer
+from course_lib.parallel.tensor.sequence import shard_sequence, sync_sequence_parallel_grads
 
 RTOL = 1e-5
 CFG = configs.get("tiny", n_heads=8, n_kv_heads=4)
@@ -43,7 +43,8 @@ def test_sequence_all_gather_and_reduce_scatter_are_exact():
         assert torch.equal(gathered, full), "all-gather of the sequence shards must rebuild [b, s, h] in position order"
         want = (full * sum(range(1, t + 1))).chunk(t, dim=1)[r]
         assert torch.equal(scattered, want), (
-            f"rank {r}: reduce-scatter must leave the sum of all ranks' [b, s, h] at positions [r·s/t, (r+1)·s/t)")
+            f"rank {r}: reduce-scatter must leave the sum of all ranks' [b, s, h] at positions [r·s/t, (r+1)·s/t)"
+        )
 
 
 def _sp_block_vs_dense(seed: int, sync: bool):
@@ -63,8 +64,10 @@ def _sp_block_vs_dense(seed: int, sync: bool):
     (y_sp * shard_sequence(dy, group)).sum().backward()
     if sync:
         sync_sequence_parallel_grads(block, group)
-    diffs = {"output shard": max_rel_diff(y_sp, shard_sequence(y.detach(), group)),
-             "input grad shard": max_rel_diff(x_sp.grad, shard_sequence(x.grad, group))}
+    diffs = {
+        "output shard": max_rel_diff(y_sp, shard_sequence(y.detach(), group)),
+        "input grad shard": max_rel_diff(x_sp.grad, shard_sequence(x.grad, group)),
+    }
     for name, p in block.named_parameters():
         diffs[name + ".grad"] = max_rel_diff(p.grad, shard_of(dense.layers[0].get_parameter(name).grad, p, group))
     return diffs
@@ -74,8 +77,10 @@ def _sp_block_vs_dense(seed: int, sync: bool):
 def test_sp_block_outputs_and_gradients_equal_dense(tp):
     for rank, diffs in enumerate(launch(_sp_block_vs_dense, tp, 0, True, timeout=60)):
         bad = {k: v for k, v in diffs.items() if v > RTOL}
-        assert not bad, (f"TP+SP={tp}, rank {rank}: the sequence-parallel block must equal the dense block on this "
-                         f"rank's positions (relative {RTOL}); these differ more: {bad}")
+        assert not bad, (
+            f"TP+SP={tp}, rank {rank}: the sequence-parallel block must equal the dense block on this "
+            f"rank's positions (relative {RTOL}); these differ more: {bad}"
+        )
 
 
 def test_norm_gradients_are_partial_until_all_reduced():
@@ -83,7 +88,8 @@ def test_norm_gradients_are_partial_until_all_reduced():
     norms = {k: v for k, v in diffs.items() if "norm" in k}
     assert norms and all(v > 1e-2 for v in norms.values()), (
         "without sync_sequence_parallel_grads the norm weights' gradients cover only this rank's s/t positions, "
-        f"so they must differ from dense; got relative differences {norms}")
+        f"so they must differ from dense; got relative differences {norms}"
+    )
     others = {k: v for k, v in diffs.items() if "norm" not in k}
     assert all(v <= RTOL for v in others.values()), f"sharded weights need no extra all-reduce: {others}"
 
@@ -97,20 +103,25 @@ def test_sp_replaces_the_all_reduces_by_all_gather_and_reduce_scatter_of_the_sam
     assert tp_["forward"] == {"all_reduce@tp": {"calls": 2, "bytes": 2 * full}}, tp_["forward"]
     assert tp_["backward"] == {"all_reduce@tp": {"calls": 2, "bytes": 2 * full}}, tp_["backward"]
     assert calls["forward"] == {"all_gather_single@tp": 2, "reduce_scatter_single@tp": 2}, (
-        f"TP+SP forward: an all-gather entering each region and a reduce-scatter leaving it, got {calls['forward']}")
+        f"TP+SP forward: an all-gather entering each region and a reduce-scatter leaving it, got {calls['forward']}"
+    )
     assert calls["backward"] == {"all_gather_single@tp": 4, "reduce_scatter_single@tp": 2}, (
         f"TP+SP backward: 2 reduce-scatters (f's gradient sums), 2 all-gathers (g's), and 2 all-gathers that rebuild "
-        f"the stored input shards; got {calls['backward']}")
+        f"the stored input shards; got {calls['backward']}"
+    )
     # Korthikanti §4.2.2: all-reduce = reduce-scatter + all-gather, so the wire volume is unchanged
     assert ring_wire_bytes(sp["forward"], t) == ring_wire_bytes(tp_["forward"], t), (
         "TP+SP must send exactly the ring bytes of TP in the forward pass: "
-        f"{ring_wire_bytes(sp['forward'], t)} vs {ring_wire_bytes(tp_['forward'], t)}")
+        f"{ring_wire_bytes(sp['forward'], t)} vs {ring_wire_bytes(tp_['forward'], t)}"
+    )
     regather = 2 * (t - 1) * full // t  # two all-gathers of a [b, s/t, h] shard
     assert ring_wire_bytes(sp["backward"], t) == ring_wire_bytes(tp_["backward"], t) + regather, (
-        "TP+SP backward = TP's volume plus the two re-gathers of stored shards (Korthikanti §4.2.2)")
+        "TP+SP backward = TP's volume plus the two re-gathers of stored shards (Korthikanti §4.2.2)"
+    )
     norm_bytes = 2 * CFG.d_model * 4
     assert sp["norm gradients"] == {"all_reduce@tp": {"calls": 1, "bytes": norm_bytes}}, (
-        f"the two norm-weight gradients are all-reduced in one call of 2·h floats, got {sp['norm gradients']}")
+        f"the two norm-weight gradients are all-reduced in one call of 2·h floats, got {sp['norm gradients']}"
+    )
 
 
 def _sp_model_vs_dense(seed: int):
@@ -126,8 +137,10 @@ def _sp_model_vs_dense(seed: int):
     got = model.loss(tokens, targets)
     got.backward()
     model.sync_grads()
-    worst = max(max_rel_diff(p.grad, shard_of(dense.get_parameter(n).grad, p, mesh.group("tp")))
-                for n, p in model.named_parameters())
+    worst = max(
+        max_rel_diff(p.grad, shard_of(dense.get_parameter(n).grad, p, mesh.group("tp")))
+        for n, p in model.named_parameters()
+    )
     return got.item(), want.item(), worst
 
 

@@ -33,21 +33,35 @@ def test_region_becomes_a_stub_naming_the_task():
         namespace["f"](1)
 
 
-@pytest.mark.parametrize("bad, why", [
-    ("# BEGIN SOLUTION\nx = 1\n", "never closed"),
-    ("x = 1\n# END SOLUTION\n", "without a '# BEGIN SOLUTION'"),
-    ("# BEGIN SOLUTION\n# BEGIN SOLUTION\n# END SOLUTION\n", "cannot nest"),
-])
+@pytest.mark.parametrize(
+    "bad, why",
+    [
+        ("# BEGIN SOLUTION\nx = 1\n", "never closed"),
+        ("x = 1\n# END SOLUTION\n", "without a '# BEGIN SOLUTION'"),
+        ("# BEGIN SOLUTION\n# BEGIN SOLUTION\n# END SOLUTION\n", "cannot nest"),
+    ],
+)
 def test_malformed_markers_are_reported(bad, why):
     with pytest.raises(ValueError, match=why):
         strip_source(bad, "lab.py")
 
 
 def test_notebook_cells_are_stripped_and_their_outputs_cleared():
-    nb = {"cells": [
-        {"cell_type": "code", "source": SOURCE.splitlines(keepends=True), "outputs": [{"text": "84"}], "execution_count": 3, "metadata": {}},
-        {"cell_type": "markdown", "source": ["# BEGIN SOLUTION is only code"], "metadata": {}},
-    ], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    nb = {
+        "cells": [
+            {
+                "cell_type": "code",
+                "source": SOURCE.splitlines(keepends=True),
+                "outputs": [{"text": "84"}],
+                "execution_count": 3,
+                "metadata": {},
+            },
+            {"cell_type": "markdown", "source": ["# BEGIN SOLUTION is only code"], "metadata": {}},
+        ],
+        "metadata": {},
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
     out = json.loads(strip_notebook(json.dumps(nb)))
     code = "".join(out["cells"][0]["source"])
     assert "42" not in code and out["cells"][0]["outputs"] == [], "outputs could leak the answer"
@@ -58,6 +72,10 @@ def test_starters_never_point_into_solutions(tmp_path):
     from course_lib.grading.starters import generate
 
     (tmp_path / "solutions" / "accelerate").mkdir(parents=True)
-    (tmp_path / "solutions" / "accelerate" / "ds.yaml").write_text("deepspeed_config_file: solutions/deepspeed/zero3.json\n")
+    (tmp_path / "solutions" / "accelerate" / "ds.yaml").write_text(
+        "deepspeed_config_file: solutions/deepspeed/zero3.json\n"
+    )
     generate(tmp_path / "solutions", tmp_path / "labs")
-    assert (tmp_path / "labs" / "accelerate" / "ds.yaml").read_text() == "deepspeed_config_file: labs/deepspeed/zero3.json\n"
+    assert (
+        tmp_path / "labs" / "accelerate" / "ds.yaml"
+    ).read_text() == "deepspeed_config_file: labs/deepspeed/zero3.json\n"

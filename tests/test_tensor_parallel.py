@@ -14,13 +14,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from course_lib.model import config as configs
 from course_lib.data import MarkovLanguage, make_dataset
 from course_lib.dist import Mesh, counter, launch
+from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer
-from course_lib.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, shard_of, vocab_parallel_cross_entropy
 from course_lib.parallel.tensor.comms import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
-from course_lib.parallel.tensor.model import TPBlock, TPMLP, TPTransformer
+from course_lib.parallel.tensor.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    shard_of,
+    vocab_parallel_cross_entropy,
+)
+from course_lib.parallel.tensor.model import TPMLP, TPBlock, TPTransformer
 
 RTOL = 1e-5  # of the largest magnitude: see the module docstring
 # 8 query heads and 4 K/V heads: tensor parallel sizes 2 and 4 both divide them, and GQA groups of 2 stay whole
@@ -51,8 +57,7 @@ def _f_and_g():
         z = reduce_from_tensor_parallel_region(x2, group)
     with counter.count() as g_bwd:
         (z * (r + 1)).sum().backward()
-    return (y.detach(), x.grad, z.detach(), x2.grad,
-            [c.calls("all_reduce") for c in (f_fwd, f_bwd, g_fwd, g_bwd)])
+    return (y.detach(), x.grad, z.detach(), x2.grad, [c.calls("all_reduce") for c in (f_fwd, f_bwd, g_fwd, g_bwd)])
 
 
 def test_f_is_identity_forward_all_reduce_backward_and_g_the_reverse():
@@ -63,7 +68,8 @@ def test_f_is_identity_forward_all_reduce_backward_and_g_the_reverse():
         assert torch.equal(y, torch.full((3,), float(r + 1))), "f must be the identity in the forward pass"
         assert torch.equal(x_grad, torch.full((3,), float(total))), (
             "f's backward must all-reduce (sum) the gradient over the TP group: each rank used X for its own "
-            "slice only, so its gradient is a partial sum")
+            "slice only, so its gradient is a partial sum"
+        )
         assert torch.equal(z, torch.full((3,), float(total))), "g must all-reduce (sum) in the forward pass"
         assert torch.equal(x2_grad, torch.full((3,), float(r + 1))), "g's backward must be the identity"
         assert calls == [0, 1, 1, 0], f"all-reduces in f fwd, f bwd, g fwd, g bwd should be [0, 1, 1, 0], got {calls}"
@@ -80,8 +86,9 @@ def _block_vs_dense(seed: int):
     b, s = 2, 16
     cos, sin = dense.rope_cos[:s], dense.rope_sin[:s]
     block = TPBlock.from_dense(dense.layers[0], mesh)
-    weights_equal = all(torch.equal(p, shard_of(dense.layers[0].get_parameter(n), p, group))
-                        for n, p in block.named_parameters())
+    weights_equal = all(
+        torch.equal(p, shard_of(dense.layers[0].get_parameter(n), p, group)) for n, p in block.named_parameters()
+    )
     x = _rank_inputs(seed + 1, (b, s, CFG.d_model)).requires_grad_(True)
     x_tp = x.detach().clone().requires_grad_(True)
     dy = _rank_inputs(seed + 2, (b, s, CFG.d_model))
@@ -99,17 +106,23 @@ def _block_vs_dense(seed: int):
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_block_outputs_and_gradients_equal_dense(tp):
-    for rank, (weights_equal, diffs, fwd, bwd, activation_bytes) in enumerate(launch(_block_vs_dense, tp, 0, timeout=60)):
+    for rank, (weights_equal, diffs, fwd, bwd, activation_bytes) in enumerate(
+        launch(_block_vs_dense, tp, 0, timeout=60)
+    ):
         assert weights_equal, "TPBlock.from_dense must hold exactly this rank's slice of every dense weight"
         bad = {k: v for k, v in diffs.items() if v > RTOL}
-        assert not bad, (f"TP={tp}, rank {rank}: the TP block must equal the dense block up to fp32 summation "
-                         f"order (relative {RTOL}); these differ more: {bad}")
+        assert not bad, (
+            f"TP={tp}, rank {rank}: the TP block must equal the dense block up to fp32 summation "
+            f"order (relative {RTOL}); these differ more: {bad}"
+        )
         # Shoeybi et al. 2019 §3: one g per sub-layer forward, one f per sub-layer backward
         assert fwd == {"all_reduce@tp": {"calls": 2, "bytes": 2 * activation_bytes}}, (
-            f"a TP block makes exactly 2 all-reduces of [b, s, h] forward (after wo and w2), got {fwd}")
+            f"a TP block makes exactly 2 all-reduces of [b, s, h] forward (after wo and w2), got {fwd}"
+        )
         assert bwd == {"all_reduce@tp": {"calls": 2, "bytes": 2 * activation_bytes}}, (
             f"a TP block makes exactly 2 all-reduces backward (one f for q,k,v, one for gate,up), got {bwd}: "
-            "did each column layer apply its own f?")
+            "did each column layer apply its own f?"
+        )
 
 
 # ------------------------------------------------------------------- vocabulary-parallel pieces
@@ -126,7 +139,10 @@ def _vocab_parallel(seed: int):
     with counter.count() as emb_fwd:
         out = emb(tokens)
     out.pow(2).sum().backward()
-    emb_diffs = (max_rel_diff(out, dense_out), max_rel_diff(emb.weight.grad, shard_of(dense_emb.weight.grad, emb.weight, group)))
+    emb_diffs = (
+        max_rel_diff(out, dense_out),
+        max_rel_diff(emb.weight.grad, shard_of(dense_emb.weight.grad, emb.weight, group)),
+    )
 
     logits = _rank_inputs(seed, (3, 10, 64)) * 4
     targets = torch.randint(0, 64, (3, 10), generator=torch.Generator().manual_seed(seed + 1))
@@ -140,22 +156,40 @@ def _vocab_parallel(seed: int):
     with counter.count() as ce_bwd:
         got.backward()
     grad_want = logits.grad.chunk(dist.get_world_size(), -1)[dist.get_rank()]
-    return emb_diffs, emb_fwd.as_dict(), (got.item(), want.item()), max_rel_diff(local.grad, grad_want), ce_fwd.as_dict(), ce_bwd.as_dict()
+    return (
+        emb_diffs,
+        emb_fwd.as_dict(),
+        (got.item(), want.item()),
+        max_rel_diff(local.grad, grad_want),
+        ce_fwd.as_dict(),
+        ce_bwd.as_dict(),
+    )
 
 
 def test_vocab_parallel_embedding_and_cross_entropy_equal_dense():
-    for rank, (emb_diffs, emb_fwd, (got, want), grad_diff, ce_fwd, ce_bwd) in enumerate(launch(_vocab_parallel, 4, 0, timeout=60)):
+    for rank, (emb_diffs, emb_fwd, (got, want), grad_diff, ce_fwd, ce_bwd) in enumerate(
+        launch(_vocab_parallel, 4, 0, timeout=60)
+    ):
         assert max(emb_diffs) == 0.0, (
             f"rank {rank}: the vocab-parallel embedding must equal nn.Embedding exactly (each token has one owner, "
-            f"the others add zeros), output and gradient differ by {emb_diffs}")
-        assert emb_fwd["all_reduce@tp"]["calls"] == 1, f"the embedding sums the partial lookups with one all-reduce: {emb_fwd}"
+            f"the others add zeros), output and gradient differ by {emb_diffs}"
+        )
+        assert emb_fwd["all_reduce@tp"]["calls"] == 1, (
+            f"the embedding sums the partial lookups with one all-reduce: {emb_fwd}"
+        )
         assert abs(got - want) <= 1e-6 * abs(want), (
-            f"rank {rank}: vocab-parallel cross-entropy {got} should equal F.cross_entropy {want} (ignore_index too)")
-        assert grad_diff <= RTOL, f"rank {rank}: its gradient (softmax - one-hot) on this rank's slice differs by {grad_diff}"
+            f"rank {rank}: vocab-parallel cross-entropy {got} should equal F.cross_entropy {want} (ignore_index too)"
+        )
+        assert grad_diff <= RTOL, (
+            f"rank {rank}: its gradient (softmax - one-hot) on this rank's slice differs by {grad_diff}"
+        )
         calls = {k: v["calls"] for k, v in ce_fwd.items()}
         assert calls == {"all_reduce@tp": 3}, (
-            f"the vocab-parallel cross-entropy needs exactly 3 all-reduces (max, target logit, sum of exps), got {calls}")
-        assert ce_fwd["all_reduce@tp"]["bytes"] == 3 * 30 * 4, "each of the 3 all-reduces carries one float per token, never [tokens, V]"
+            f"the vocab-parallel cross-entropy needs exactly 3 all-reduces (max, target logit, sum of exps), got {calls}"
+        )
+        assert ce_fwd["all_reduce@tp"]["bytes"] == 3 * 30 * 4, (
+            "each of the 3 all-reduces carries one float per token, never [tokens, V]"
+        )
         assert ce_bwd == {}, f"the cross-entropy backward needs no communication, got {ce_bwd}"
 
 
@@ -187,12 +221,16 @@ def _train_both(steps, seed):
 def test_tp_model_trains_to_the_same_loss_curve_as_dense():
     steps = 40
     dense, tp = launch(_train_both, 2, steps, 0, timeout=90)[0]
-    assert dense[-1] < dense[0] - 0.5, f"the dense reference should learn in {steps} steps: {dense[0]:.3f} -> {dense[-1]:.3f}"
+    assert dense[-1] < dense[0] - 0.5, (
+        f"the dense reference should learn in {steps} steps: {dense[0]:.3f} -> {dense[-1]:.3f}"
+    )
     worst = max(abs(a - b) for a, b in zip(dense, tp))
     # The ~1e-7 rounding differences of each step feed into the next (AdamW's m/sqrt(v) does not shrink them)
     # and grow slowly; measured: 5e-7 after 40 steps. 1e-5 leaves a margin of 20 and still catches any real
     # error (a missing all-reduce changes the loss at the first step by far more).
-    assert worst < 1e-5, f"TP=2 training should follow the dense loss curve within 1e-5 nats; worst step differs by {worst:.2e}"
+    assert worst < 1e-5, (
+        f"TP=2 training should follow the dense loss curve within 1e-5 nats; worst step differs by {worst:.2e}"
+    )
 
 
 # ------------------------------------------------------------------------------ torch DTensor TP
@@ -206,8 +244,11 @@ def _versus_dtensor(seed: int):
     torch.manual_seed(seed)
     dense = Transformer(CFG).layers[0].feed_forward
     ours = TPMLP(dense, mesh)
-    theirs = parallelize_module(copy.deepcopy(dense), init_device_mesh("cpu", (dist.get_world_size(),)),
-                                {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()})
+    theirs = parallelize_module(
+        copy.deepcopy(dense),
+        init_device_mesh("cpu", (dist.get_world_size(),)),
+        {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()},
+    )
     x = _rank_inputs(seed, (2, 16, CFG.d_model))
     y_ours, y_theirs = ours(x), theirs(x)
     y_ours.pow(2).sum().backward()
@@ -221,10 +262,15 @@ def test_same_outputs_and_gradients_as_torch_dtensor_tensor_parallel():
     for rank, (y_ours, y_theirs, grads) in enumerate(launch(_versus_dtensor, 2, 0, timeout=60)):
         assert torch.equal(y_ours, y_theirs), (
             f"rank {rank}: course_lib's TP MLP should equal torch's ColwiseParallel/RowwiseParallel MLP bit for bit; "
-            f"max relative difference {max_rel_diff(y_ours, y_theirs):.2e}")
+            f"max relative difference {max_rel_diff(y_ours, y_theirs):.2e}"
+        )
         for name, (ours, theirs) in grads.items():
-            assert ours.shape == theirs.shape, f"{name}: our shard {tuple(ours.shape)} vs DTensor's {tuple(theirs.shape)}"
-            assert torch.equal(ours, theirs), f"rank {rank}: {name}.grad differs from torch DTensor TP (same slice expected)"
+            assert ours.shape == theirs.shape, (
+                f"{name}: our shard {tuple(ours.shape)} vs DTensor's {tuple(theirs.shape)}"
+            )
+            assert torch.equal(ours, theirs), (
+                f"rank {rank}: {name}.grad differs from torch DTensor TP (same slice expected)"
+            )
 
 
 # -------------------------------------------------------------------------------- bad layouts
@@ -240,7 +286,8 @@ def _errors():
         "columns": lambda: ColumnParallelLinear(8, 7, mesh.group("tp")),
         "rows": lambda: RowParallelLinear(7, 8, mesh.group("tp")),
         "sequence": lambda: TPTransformer(Transformer(configs.get("tiny")), mesh, sequence_parallel=True)(
-            torch.zeros(1, 15, dtype=torch.long)),
+            torch.zeros(1, 15, dtype=torch.long)
+        ),
     }
     for name, make in cases.items():
         try:
@@ -253,13 +300,19 @@ def _errors():
 
 def test_divisibility_violations_raise_clear_errors():
     messages = launch(_errors, 2, timeout=60)[0]
-    expect = {"heads": "does not divide 3 attention heads", "kv heads": "does not divide 1 key/value heads",
-              "vocabulary": "does not divide 63 vocabulary entries", "columns": "does not divide 7 output features",
-              "rows": "does not divide 7 input features", "sequence": "does not divide the sequence length 15"}
+    expect = {
+        "heads": "does not divide 3 attention heads",
+        "kv heads": "does not divide 1 key/value heads",
+        "vocabulary": "does not divide 63 vocabulary entries",
+        "columns": "does not divide 7 output features",
+        "rows": "does not divide 7 input features",
+        "sequence": "does not divide the sequence length 15",
+    }
     for name, fragment in expect.items():
         assert messages[name] is not None, f"a {name} count that TP=2 does not divide must raise ValueError"
         assert fragment in messages[name] and ("choose" in messages[name] or "pad" in messages[name]), (
-            f"the {name} error should name the constraint and a fix; got: {messages[name]}")
+            f"the {name} error should name the constraint and a fix; got: {messages[name]}"
+        )
 
 
 # ---------------------------------------------------------------------------- lab 04 entry point
@@ -275,9 +328,20 @@ def test_lab04_run_py_trains_under_accelerate_launch():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "solutions/accelerate/cpu.yaml",
-           "--num_processes", "2", "--main_process_port", str(port),
-           "solutions/lab04_tensor_parallel/run.py", "--steps", "12"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "solutions/accelerate/cpu.yaml",
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(port),
+        "solutions/lab04_tensor_parallel/run.py",
+        "--steps",
+        "12",
+    ]
     out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "tensor parallel over 2 ranks" in out.stdout and "TP training follows the dense loss curve" in out.stdout

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from course_lib.dist import counter, launch
 from course_lib.cost.comm import comm_elements
+from course_lib.dist import counter, launch
 from course_lib.parallel.tensor.nd import matmul_2d, matmul_2p5d, matmul_3d
 
 B, H, N = 16, 8, 12  # tokens, hidden in, hidden out: divisible by every grid used below
@@ -30,7 +30,9 @@ def test_grid_matmul_equals_dense_and_traffic_equals_formula(scheme, p, depth):
     x, w = _operands()
     out = launch(_run, p, scheme, depth, timeout=90)
     for rank, (y, elements) in enumerate(out):
-        assert torch.equal(y, x @ w), f"{scheme} on rank {rank}: the blocks do not assemble into X·W; check the block indices"
+        assert torch.equal(y, x @ w), (
+            f"{scheme} on rank {rank}: the blocks do not assemble into X·W; check the block indices"
+        )
         want = comm_elements(scheme, B, H, N, p, depth)
         assert elements == want, f"{scheme} rank {rank}: counted {elements} elements, formula says {want}"
 
@@ -45,12 +47,15 @@ def test_traffic_per_device_shrinks_with_the_grid():
     assert comm_elements("1d", b, h, h, 256) == one_d, "1D traffic per device does not fall with p"
 
 
-@pytest.mark.parametrize("args, why", [
-    (("2d", 8, 8, 8, 8), "perfect square"),
-    (("3d", 8, 8, 8, 4), "perfect cube"),
-    (("2.5d", 8, 8, 8, 8, 3), "d=3 does not divide p=8"),
-    (("4d", 8, 8, 8, 8), "unknown scheme"),
-])
+@pytest.mark.parametrize(
+    "args, why",
+    [
+        (("2d", 8, 8, 8, 8), "perfect square"),
+        (("3d", 8, 8, 8, 4), "perfect cube"),
+        (("2.5d", 8, 8, 8, 8, 3), "d=3 does not divide p=8"),
+        (("4d", 8, 8, 8, 8), "unknown scheme"),
+    ],
+)
 def test_bad_grids_are_explained(args, why):
     with pytest.raises(ValueError, match=why):
         comm_elements(*args)

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from course_lib.parallel.context import ulysses
-from course_lib.dist import Mesh, RankError, counter, device, launch
 from course_lib.cost import comm
+from course_lib.dist import Mesh, RankError, counter, device, launch
+from course_lib.parallel.context import ulysses
 
 B, H, HKV, D = 2, 8, 4, 8  # grouped-query attention; 2 and 4 divide both head counts
 
@@ -76,7 +76,9 @@ def _round_trip(world_seq):
 def test_seq_to_heads_gives_whole_sequence_of_a_head_shard_and_heads_to_seq_undoes_it(world):
     for rank, (layout_ok, identity) in enumerate(launch(_round_trip, world, 4 * world, timeout=60)):
         assert layout_ok, f"rank {rank}: after seq_to_heads it must hold all tokens of heads {rank}·h/N ... exactly"
-        assert identity, f"rank {rank}: heads_to_seq(seq_to_heads(x)) must return x exactly (a permutation and its inverse)"
+        assert identity, (
+            f"rank {rank}: heads_to_seq(seq_to_heads(x)) must return x exactly (a permutation and its inverse)"
+        )
 
 
 # ---------------------------------------------------------------------------------- attention
@@ -101,7 +103,9 @@ def test_four_all_to_alls_each_way_carry_the_formula_bytes(world):
     assert want["payload_per_rank"] == B * (s // world) * (2 * H + 2 * HKV) * D * 4
     for rank, r in enumerate(launch(_ulysses_rank, world, s, timeout=60)):
         fwd, bwd = r[4], r[5]
-        assert set(fwd) == {"all_to_all_single@world"}, f"Ulysses communicates by all-to-all only; rank {rank} used {set(fwd)}"
+        assert set(fwd) == {"all_to_all_single@world"}, (
+            f"Ulysses communicates by all-to-all only; rank {rank} used {set(fwd)}"
+        )
         assert fwd["all_to_all_single@world"] == {"calls": want["forward_calls"], "bytes": want["payload_per_rank"]}, (
             f"forward on rank {rank}: q, k, v in and the output back, b·(s/N)·(2h+2h_kv)·d·4 B; measured "
             f"{fwd['all_to_all_single@world']}, formula {want}"

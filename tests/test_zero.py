@@ -20,8 +20,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from course_lib.model import config as configs
 from course_lib.dist import counter, launch
+from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer, next_token_loss
 from course_lib.parallel.data.zero import Zero, units
 
@@ -141,8 +141,10 @@ def test_bf16_tracks_fp32_training_within_tolerance():
     """
     drift = launch(_bf16_drift, 2, (0, 3), timeout=60)[0]
     for stage, ratio in drift.items():
-        assert ratio < 0.10, (f"bf16 ZeRO-{stage} master weights drifted {ratio:.1%} of the fp32 update away from "
-                              "fp32 DDP + AdamW; more than 10% means more than rounding: check the master copy")
+        assert ratio < 0.10, (
+            f"bf16 ZeRO-{stage} master weights drifted {ratio:.1%} of the fp32 update away from "
+            "fp32 DDP + AdamW; more than 10% means more than rounding: check the master copy"
+        )
 
 
 def _four_ranks():
@@ -156,11 +158,15 @@ def test_four_ranks_equal_zero0_bitwise_and_ddp_within_reduction_order_tolerance
     results = launch(_four_ranks, 4, timeout=90)
     for rank, (per_stage, gap) in enumerate(results):
         for stage, differ in per_stage.items():
-            assert not differ, (f"at 4 ranks ZeRO-{stage} should equal ZeRO-0 bit for bit (same buffer layout, so gloo "
-                                f"adds each element's four terms in the same order); rank {rank} differs in {differ[:4]}")
+            assert not differ, (
+                f"at 4 ranks ZeRO-{stage} should equal ZeRO-0 bit for bit (same buffer layout, so gloo "
+                f"adds each element's four terms in the same order); rank {rank} differs in {differ[:4]}"
+            )
         # Measured 2.1e-6 (lr = 3e-3): only the order of the four-term gradient sums differs from DDP.
-        assert gap < 2e-5, (f"ZeRO-0 at 4 ranks is {gap:.2e} from torch DDP: a summation-order difference stays "
-                            "below 2e-5 after 5 steps; more means a wrong gradient average")
+        assert gap < 2e-5, (
+            f"ZeRO-0 at 4 ranks is {gap:.2e} from torch DDP: a summation-order difference stays "
+            "below 2e-5 after 5 steps; more means a wrong gradient average"
+        )
 
 
 def _offload():
@@ -173,7 +179,8 @@ def _offload():
 def test_cpu_offload_keeps_optimizer_state_on_the_offload_device():
     for devices, target, differ in launch(_offload, 2, timeout=60):
         assert target == torch.device("cpu") and devices == {torch.device("cpu")}, (
-            f"with offload=True the fp32 master weights and Adam moments must live on the CPU, found {devices}")
+            f"with offload=True the fp32 master weights and Adam moments must live on the CPU, found {devices}"
+        )
         assert not differ, f"offloading moves the optimizer, it must not change the numbers; differs in {differ[:4]}"
 
 
@@ -181,7 +188,7 @@ def _stage3_trace():
     model = _model()
     zero = Zero(model, 3, lr=LR)
     names = [u.name for u in zero.units]
-    live = lambda: [u.name for u in zero.units if u.full.untyped_storage().nbytes() > 0]  # noqa: E731
+    live = lambda: [u.name for u in zero.units if u.full.untyped_storage().nbytes() > 0]
     seen = []
     for u in zero.units:  # registered after Zero's own hooks, so they run after the gather
         u.module.register_forward_pre_hook(lambda *_, u=u: seen.append((u.name, live())))
@@ -198,14 +205,18 @@ def _stage3_trace():
 def test_stage3_holds_one_unit_at_a_time_and_gathers_twice_per_step():
     names, seen, after_forward, after_backward, gathers, scatters = launch(_stage3_trace, 2, timeout=60)[0]
     for unit, gathered in seen:
-        assert gathered == [unit], (f"ZeRO-3: while unit {unit!r} runs forward only its parameters should be gathered; "
-                                    f"gathered were {gathered}: free each unit in a forward hook")
+        assert gathered == [unit], (
+            f"ZeRO-3: while unit {unit!r} runs forward only its parameters should be gathered; "
+            f"gathered were {gathered}: free each unit in a forward hook"
+        )
     assert after_forward == [] and after_backward == [], (
         "ZeRO-3 frees every unit after its forward and after its gradients are reduce-scattered; still gathered: "
-        f"{after_forward or after_backward}")
+        f"{after_forward or after_backward}"
+    )
     assert gathers == 2 * len(names) and scatters == len(names), (
         f"ZeRO-3 all-gathers each of the {len(names)} units twice (forward, backward) and reduce-scatters its "
-        f"gradients once per step; counted {gathers} all-gathers and {scatters} reduce-scatters")
+        f"gradients once per step; counted {gathers} all-gathers and {scatters} reduce-scatters"
+    )
 
 
 def _where_gradients_go(stage):
@@ -219,8 +230,10 @@ def _where_gradients_go(stage):
 
 def test_stage2_reduces_during_backward_and_keeps_only_the_shard():
     scatters, n_units, held = launch(_where_gradients_go, 2, 2, timeout=60)[0]
-    assert scatters == n_units, (f"ZeRO-2 reduce-scatters each unit's gradients during backward, as soon as they are "
-                                 f"complete: expected {n_units} calls before step(), counted {scatters}")
+    assert scatters == n_units, (
+        f"ZeRO-2 reduce-scatters each unit's gradients during backward, as soon as they are "
+        f"complete: expected {n_units} calls before step(), counted {scatters}"
+    )
     assert not held, f"ZeRO-2 keeps only the gradient shard; these parameters still hold a full .grad: {held[:4]}"
     scatters, _, held = launch(_where_gradients_go, 2, 1, timeout=60)[0]
     assert scatters == 0 and held, "ZeRO-1 keeps full gradients through backward and reduce-scatters them in step()"
@@ -256,10 +269,13 @@ def _misuse(what):
     zero.step()
 
 
-@pytest.mark.parametrize("what, message", [
-    ("unused", "every parameter must be used in the forward pass"),
-    ("model_zero_grad", r"call zero.zero_grad\(\), not model.zero_grad\(\)"),
-])
+@pytest.mark.parametrize(
+    "what, message",
+    [
+        ("unused", "every parameter must be used in the forward pass"),
+        ("model_zero_grad", r"call zero.zero_grad\(\), not model.zero_grad\(\)"),
+    ],
+)
 def test_misuse_is_a_clear_error(what, message):
     with pytest.raises(Exception, match=message):
         launch(_misuse, 1, what, timeout=60)
@@ -270,12 +286,26 @@ def test_lab03_run_py_under_accelerate_launch():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "solutions/accelerate/cpu.yaml",
-           "--num_processes", "2", "--main_process_port", str(port), "solutions/lab03_zero/run.py", "--steps", "3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "solutions/accelerate/cpu.yaml",
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(port),
+        "solutions/lab03_zero/run.py",
+        "--steps",
+        "3",
+    ]
     out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = [line.split() for line in out.stdout.splitlines() if line.strip()[:1] in "0123" and len(line.split()) == 6]
     assert [r[0] for r in rows] == ["0", "1", "2", "3"], f"one row per stage expected:\n{out.stdout}"
     for stage, gap, held, formula, moved, comm in rows:
         assert float(gap) == 0.0, f"at 2 ranks run.py's ZeRO-{stage} should equal DDP exactly:\n{out.stdout}"
-        assert held == formula and moved == comm, f"ZeRO-{stage}: measured bytes should match the formula:\n{out.stdout}"
+        assert held == formula and moved == comm, (
+            f"ZeRO-{stage}: measured bytes should match the formula:\n{out.stdout}"
+        )

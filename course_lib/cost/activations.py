@@ -42,8 +42,6 @@ once (the same x̂·g saved by wq, wk and wv is one tensor) and leaves out param
 
 from __future__ import annotations
 
-
-
 from course_lib.cost.comm import check_ulysses_divisible
 from course_lib.model.config import ModelConfig
 
@@ -58,8 +56,9 @@ def korthikanti_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, sequ
     return s * b * h * (10 + 24 / t + attention / t) if t > 1 else s * b * h * (34 + attention)
 
 
-def activation_terms(cfg: ModelConfig, batch: int, seq_len: int, tp: int = 1, sequence_parallel: bool = False,
-                     attention: str = "flash") -> dict[str, float]:
+def activation_terms(
+    cfg: ModelConfig, batch: int, seq_len: int, tp: int = 1, sequence_parallel: bool = False, attention: str = "flash"
+) -> dict[str, float]:
     """Elements one rank saves for backward in one ``Block`` of the course model, by term (see module doc)."""
     if attention not in ATTENTION_KERNELS:
         raise ValueError(f"attention={attention!r}: use one of {ATTENTION_KERNELS} (the kernel SDPA runs)")
@@ -79,9 +78,15 @@ def activation_terms(cfg: ModelConfig, batch: int, seq_len: int, tp: int = 1, se
     }
 
 
-def activation_bytes_per_layer(cfg: ModelConfig, batch: int, seq_len: int, tp: int = 1,
-                               sequence_parallel: bool = False, attention: str = "flash",
-                               bytes_per_element: int = 4) -> float:
+def activation_bytes_per_layer(
+    cfg: ModelConfig,
+    batch: int,
+    seq_len: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    attention: str = "flash",
+    bytes_per_element: int = 4,
+) -> float:
     """Bytes one rank keeps for backward in one layer: the sum of :func:`activation_terms`."""
     return bytes_per_element * sum(activation_terms(cfg, batch, seq_len, tp, sequence_parallel, attention).values())
 
@@ -89,8 +94,16 @@ def activation_bytes_per_layer(cfg: ModelConfig, batch: int, seq_len: int, tp: i
 # ----------------------------------------------------------------------------------- measuring
 
 
-def attention_memory_per_rank(seq_len: int, n_heads: int, n_kv_heads: int, head_dim: int, world: int = 1,
-                              method: str = "ring", batch: int = 1, bytes_per_elem: int = 4) -> dict:
+def attention_memory_per_rank(
+    seq_len: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    world: int = 1,
+    method: str = "ring",
+    batch: int = 1,
+    bytes_per_elem: int = 4,
+) -> dict:
     """Bytes one rank holds for one attention layer's core (between the projections), per method.
 
     ``saved`` — what autograd keeps for the backward: q, k, v, out and the fp32 log-sum-exp.

@@ -46,8 +46,10 @@ def ring_wire_bytes(counts: dict, dp_size: int, group: str | None = None) -> flo
     n = dp_size
     factor = {
         "all_reduce": 2 * (n - 1) / n,
-        "reduce_scatter_single": (n - 1) / n, "reduce_scatter_tensor": (n - 1) / n,
-        "all_gather_single": n - 1, "all_gather_into_tensor": n - 1,
+        "reduce_scatter_single": (n - 1) / n,
+        "reduce_scatter_tensor": (n - 1) / n,
+        "all_gather_single": n - 1,
+        "all_gather_into_tensor": n - 1,
     }
     total = 0.0
     for key, entry in counts.items():
@@ -55,14 +57,17 @@ def ring_wire_bytes(counts: dict, dp_size: int, group: str | None = None) -> flo
         if group is not None and grp != group:
             continue
         if op not in factor:
-            raise ValueError(f"ring_wire_bytes knows all-reduce, reduce-scatter and all-gather; the counts "
-                             f"also hold {op!r}: count that region separately")
+            raise ValueError(
+                f"ring_wire_bytes knows all-reduce, reduce-scatter and all-gather; the counts "
+                f"also hold {op!r}: count that region separately"
+            )
         total += factor[op] * entry["bytes"]
     return total
 
 
-def ring_comm_bytes(batch: int, seq_len: int, n_kv_heads: int, head_dim: int, world: int,
-                    bytes_per_elem: int = 4) -> dict:
+def ring_comm_bytes(
+    batch: int, seq_len: int, n_kv_heads: int, head_dim: int, world: int, bytes_per_elem: int = 4
+) -> dict:
     """What one rank sends per attention layer, all of it on its one link (to its right neighbour).
 
     A K/V block is b·h_kv·(s/N)·d elements. Forward: K and V each make N-1 hops. Backward: K and V
@@ -79,8 +84,9 @@ def ring_comm_bytes(batch: int, seq_len: int, n_kv_heads: int, head_dim: int, wo
     }
 
 
-def ulysses_comm_bytes(batch: int, seq_len: int, n_heads: int, n_kv_heads: int, head_dim: int, world: int,
-                       bytes_per_elem: int = 4) -> dict:
+def ulysses_comm_bytes(
+    batch: int, seq_len: int, n_heads: int, n_kv_heads: int, head_dim: int, world: int, bytes_per_elem: int = 4
+) -> dict:
     """Communication of one attention layer, forward (the backward moves the same again).
 
     An activation of this rank in the sequence layout holds b·(s/N)·heads·d elements; that is the
@@ -127,14 +133,16 @@ def grid_side(p: int, k: int, scheme: str) -> int:
     """q with q**k = p: the side of the square (k = 2) or cube (k = 3) grid of p devices."""
     q = round(p ** (1 / k))
     if q**k != p:
-        raise ValueError(f"{scheme} tensor parallel needs a perfect {'square' if k == 2 else 'cube'} "
-                         f"number of devices, got p={p}: use {sorted({max(1, q - 1) ** k, q ** k, (q + 1) ** k})}")
+        raise ValueError(
+            f"{scheme} tensor parallel needs a perfect {'square' if k == 2 else 'cube'} "
+            f"number of devices, got p={p}: use {sorted({max(1, q - 1) ** k, q**k, (q + 1) ** k})}"
+        )
     return q
 
 
 def check_ulysses_divisible(n_heads: int, n_kv_heads: int, degree: int, seq_len: int | None = None) -> None:
     """Raise a ValueError naming the constraint Ulysses needs and how to meet it."""
-    divisors = lambda x: [i for i in range(1, x + 1) if x % i == 0]  # noqa: E731
+    divisors = lambda x: [i for i in range(1, x + 1) if x % i == 0]
     if n_heads % degree:
         raise ValueError(
             f"Ulysses degree {degree} does not divide {n_heads} query heads: after the all-to-all each rank "

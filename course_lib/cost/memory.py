@@ -19,22 +19,24 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-
 STAGES = (0, 1, 2, 3)
 
 
 def check_zero_args(n_params: int, dp_size: int, stage: int) -> None:
     if not isinstance(stage, int) or stage not in STAGES:
-        raise ValueError(f"ZeRO stage {stage!r} does not exist: choose 0 (plain data parallel), 1 (optimizer "
-                         "state sharded), 2 (+ gradients) or 3 (+ parameters)")
+        raise ValueError(
+            f"ZeRO stage {stage!r} does not exist: choose 0 (plain data parallel), 1 (optimizer "
+            "state sharded), 2 (+ gradients) or 3 (+ parameters)"
+        )
     if not isinstance(n_params, int) or n_params < 1:
         raise ValueError(f"n_params must be a positive int (Ψ, the model's parameter count), got {n_params!r}")
     if not isinstance(dp_size, int) or dp_size < 1:
         raise ValueError(f"dp_size must be a positive int (N_d, the data-parallel ranks), got {dp_size!r}")
 
 
-def zero_model_state_bytes(n_params: int, dp_size: int, stage: int, k: int = 12,
-                           param_bytes: int = 2, grad_bytes: int = 2) -> float:
+def zero_model_state_bytes(
+    n_params: int, dp_size: int, stage: int, k: int = 12, param_bytes: int = 2, grad_bytes: int = 2
+) -> float:
     """Bytes of model states per rank under ZeRO ``stage`` (ZeRO paper §3.1, §5.1-5.3, Figure 1).
 
     Mixed-precision Adam keeps, per parameter, a 16-bit parameter (2 bytes) and a 16-bit gradient
@@ -106,8 +108,9 @@ def state_bytes_per_param(name: str, shapes: Iterable = ((1,),), bytes_per_eleme
     return state_bytes(name, shapes, bytes_per_element) / n_params
 
 
-def training_bytes_per_param(name: str, param_bytes: int = 2, grad_bytes: int = 2, master_bytes: int = 4,
-                             state_bytes_per_element: int = 4) -> int:
+def training_bytes_per_param(
+    name: str, param_bytes: int = 2, grad_bytes: int = 2, master_bytes: int = 4, state_bytes_per_element: int = 4
+) -> int:
     """Weights + gradients + fp32 master copy + optimizer state, bytes per parameter (dense tensors).
 
     Mixed-precision Adam: 2 (bf16/fp16 weights) + 2 (grads) + 4 (fp32 master) + 8 (m, v) = 16, the

@@ -67,7 +67,7 @@ def _run_check(check: Callable[[Adapter], None], impl: Adapter) -> tuple[bool, s
         return False, f"rank {e.rank} raised {last}"
     except LaunchTimeout as e:
         return False, f"ranks {e.ranks} timed out: {str(e).splitlines()[-1].strip()}"
-    except Exception:  # noqa: BLE001 - a learner's crash is feedback, not a grader crash
+    except Exception:
         return False, "raised " + traceback.format_exc().strip().splitlines()[-1]
 
 
@@ -104,7 +104,9 @@ def report(results: list[Result], title: str, console: Console | None = None) ->
         table.add_column(col, overflow="fold")
     for r in results:
         status = "pass" if r.passed else "FAIL"
-        table.add_row(r.task.name + (" (setup)" if r.task.setup else ""), f"{r.earned}/{r.task.points}", status, r.feedback)
+        table.add_row(
+            r.task.name + (" (setup)" if r.task.setup else ""), f"{r.earned}/{r.task.points}", status, r.feedback
+        )
     total, possible = sum(r.earned for r in results), sum(r.task.points for r in results)
     table.add_row("total", f"{total}/{possible}", "", "", end_section=True)
     (console or Console(width=140)).print(table)

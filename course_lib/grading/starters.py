@@ -51,7 +51,7 @@ def strip_source(text: str, where: str = "<source>") -> str:
                     raise ValueError(f"{where}:{n}: '# END SOLUTION' without a '# BEGIN SOLUTION' before it")
                 out.append(line)
         elif END.match(line):
-            stubs = [STUB.match(l)[1] for l in region if STUB.match(l)]
+            stubs = [STUB.match(text)[1] for text in region if STUB.match(text)]
             if not stubs:
                 stubs = [f"raise NotImplementedError({task!r})"]
             out.extend(f"{indent}{s}\n" for s in stubs)
@@ -120,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         files = drift()
         if files:
-            print("labs/ has drifted from solutions/ — run `python -m course_lib.grading.starters`:\n  " + "\n  ".join(files))
+            print(
+                "labs/ has drifted from solutions/ — run `python -m course_lib.grading.starters`:\n  "
+                + "\n  ".join(files)
+            )
             return 1
         print("labs/ is in sync with solutions/")
         return 0

@@ -44,7 +44,7 @@ class SavedTensorMeter:
             self.storages[storage.data_ptr()] = storage.nbytes()
         return t
 
-    def __enter__(self) -> "SavedTensorMeter":
+    def __enter__(self) -> SavedTensorMeter:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._hooks.__enter__()
         return self
@@ -67,8 +67,9 @@ def sdpa_kernel(attention: str):
     return choose(SDPBackend.MATH) if attention == "math" else contextlib.nullcontext()
 
 
-def measure_block(block: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  attention: str = "flash") -> int:
+def measure_block(
+    block: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: str = "flash"
+) -> int:
     """Bytes of activations ``block(x, cos, sin)`` saves for backward on this rank (x counts: it is saved).
 
     ``x`` is copied first: a slice of a larger tensor would be counted with its whole storage.
@@ -81,7 +82,6 @@ def measure_block(block: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, si
 
 def _measure_rank(cfg, batch, seq_lens, settings, attention, seed):
     """On each rank of a TP group: measured bytes for every (seq_len, sequence_parallel) asked for."""
-
 
     mesh = Mesh(tp=dist.get_world_size())
     torch.manual_seed(seed)
@@ -96,8 +96,9 @@ def _measure_rank(cfg, batch, seq_lens, settings, attention, seed):
     return out
 
 
-def measure_layer_bytes(cfg: ModelConfig, batch: int, seq_lens, tp: int = 1, settings=(False,),
-                        attention: str = "flash", seed: int = 0) -> dict:
+def measure_layer_bytes(
+    cfg: ModelConfig, batch: int, seq_lens, tp: int = 1, settings=(False,), attention: str = "flash", seed: int = 0
+) -> dict:
     """Measured bytes per rank for one layer: {(seq_len, sequence_parallel): bytes}.
 
     tp = 1 measures ``course_lib.model.transformer.Block`` in this process; tp > 1 launches tp ranks that each
@@ -108,24 +109,44 @@ def measure_layer_bytes(cfg: ModelConfig, batch: int, seq_lens, tp: int = 1, set
     if tp == 1:
         torch.manual_seed(seed)
         dense = Transformer(cfg).to(device())
-        return {(s, False): measure_block(dense.layers[0], torch.randn(batch, s, cfg.d_model, device=device()),
-                                          dense.rope_cos[:s], dense.rope_sin[:s], attention) for s in seq_lens}
+        return {
+            (s, False): measure_block(
+                dense.layers[0],
+                torch.randn(batch, s, cfg.d_model, device=device()),
+                dense.rope_cos[:s],
+                dense.rope_sin[:s],
+                attention,
+            )
+            for s in seq_lens
+        }
 
     return launch(_measure_rank, tp, cfg, batch, seq_lens, tuple(settings), attention, seed, timeout=120)[0]
 
 
-def model_vs_measurement(cfg: ModelConfig, seq_lens, batch: int = 1, tp: int = 2, attention: str = "flash") -> list[dict]:
+def model_vs_measurement(
+    cfg: ModelConfig, seq_lens, batch: int = 1, tp: int = 2, attention: str = "flash"
+) -> list[dict]:
     """For the lecture: one row per (layout, seq_len) with the model's and the measured bytes per rank.
 
     Layouts: "dense" (t = 1), "TP" and "TP+SP" (t = ``tp``). Two launches at most in all.
     """
-    measured = {("dense", s): v for (s, _), v in measure_layer_bytes(cfg, batch, seq_lens, 1, attention=attention).items()}
+    measured = {
+        ("dense", s): v for (s, _), v in measure_layer_bytes(cfg, batch, seq_lens, 1, attention=attention).items()
+    }
     for (s, sp), v in measure_layer_bytes(cfg, batch, seq_lens, tp, (False, True), attention).items():
         measured[("TP+SP" if sp else "TP", s)] = v
     rows = []
     for (layout, s), got in sorted(measured.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         t = 1 if layout == "dense" else tp
         model = activation_bytes_per_layer(cfg, batch, s, t, layout == "TP+SP", attention)
-        rows.append({"layout": layout, "tp": t, "seq_len": s, "model_bytes": model, "measured_bytes": got,
-                     "rel_error": (got - model) / model})
+        rows.append(
+            {
+                "layout": layout,
+                "tp": t,
+                "seq_len": s,
+                "model_bytes": model,
+                "measured_bytes": got,
+                "rel_error": (got - model) / model,
+            }
+        )
     return rows

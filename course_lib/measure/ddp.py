@@ -22,7 +22,7 @@ def _traced_rank(config: str, bucket_cap_mb: float, global_batch: int, seq_len: 
     x, y = next(ds.batches(global_batch, seed=seed))  # the same global batch on every rank
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y = split_batch(x, rank, world), split_batch(y, rank, world)
-    for step in range(2):  # step 0 warms up allocator and caches; step 1 is the one returned
+    for _ in range(2):  # step 0 warms up allocator and caches; step 1 is the one returned
         opt.zero_grad()
         dist.barrier()
         with trace.record() as tl:
@@ -36,8 +36,14 @@ def _traced_rank(config: str, bucket_cap_mb: float, global_batch: int, seq_len: 
     return tl.spans, origin, model.bucket_names()
 
 
-def trace_step(world_size: int = 2, config: str = "tiny", bucket_cap_mb: float = 0.05,
-               global_batch: int = 8, seq_len: int = 32, seed: int = 0) -> dict:
+def trace_step(
+    world_size: int = 2,
+    config: str = "tiny",
+    bucket_cap_mb: float = 0.05,
+    global_batch: int = 8,
+    seq_len: int = 32,
+    seed: int = 0,
+) -> dict:
     """Run one DDP training step on ``world_size`` ranks and return its per-rank timeline.
 
     Returns ``{"spans": [[Span, ...] per rank], "origin": t0, "buckets": [[names] per bucket]}``.

@@ -28,8 +28,11 @@ def _count_block_rank(cfg, batch, seq_len, settings, seed):
             y.sum().backward()
         with counter.count() as sync:
             sync_sequence_parallel_grads(block, mesh.group("tp")) if sp else None
-        results["TP+SP" if sp else "TP"] = {"forward": fwd.as_dict(), "backward": bwd.as_dict(),
-                                            "norm gradients": sync.as_dict()}
+        results["TP+SP" if sp else "TP"] = {
+            "forward": fwd.as_dict(),
+            "backward": bwd.as_dict(),
+            "norm gradients": sync.as_dict(),
+        }
     return results
 
 

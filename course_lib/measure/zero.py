@@ -30,8 +30,11 @@ def _measure_rank(config: str, precision: str, stages, seed: int, batch: int, se
         with counter.count() as c:
             model.loss(x[:, :-1], x[:, 1:]).backward()
             zero.step()
-        out[stage] = {"state": zero.model_state_bytes(), "counts": c.as_dict(),
-                      "n_params": sum(u.numel for u in zero.units)}
+        out[stage] = {
+            "state": zero.model_state_bytes(),
+            "counts": c.as_dict(),
+            "n_params": sum(u.numel for u in zero.units),
+        }
     return out
 
 
@@ -45,8 +48,15 @@ def measured_comm_bytes(world_size: int = 2, config: str = "tiny", precision: st
     return {s: (m["comm_bytes"], m["comm_formula"]) for s, m in measure_stages(world_size, config, precision).items()}
 
 
-def measure_stages(world_size: int = 2, config: str = "tiny", precision: str = "bf16", stages=STAGES,
-                   seed: int = 0, batch: int = 2, seq: int = 16) -> dict[int, dict]:
+def measure_stages(
+    world_size: int = 2,
+    config: str = "tiny",
+    precision: str = "bf16",
+    stages=STAGES,
+    seed: int = 0,
+    batch: int = 2,
+    seq: int = 16,
+) -> dict[int, dict]:
     """Run one training step of each stage on ``world_size`` ranks; measurement next to formula.
 
     Returns {stage: {"n_params", "state_bytes" (rank 0's census), "state_bytes_per_rank",
@@ -65,7 +75,8 @@ def measure_stages(world_size: int = 2, config: str = "tiny", precision: str = "
             "state_bytes_per_rank": [r[stage]["state"]["total"] for r in per_rank],
             "state_breakdown": {k: v for k, v in per_rank[0][stage]["state"].items() if k != "total"},
             "state_formula": zero_model_state_bytes(psi, world_size, stage, **width),
-            "comm_bytes": comm[0], "comm_bytes_per_rank": comm,
+            "comm_bytes": comm[0],
+            "comm_bytes_per_rank": comm,
             "comm_formula": zero_comm_bytes(psi, world_size, stage, width["param_bytes"]),
         }
     return result

@@ -45,8 +45,10 @@ def hf_name(name: str) -> str:
     for pattern, replacement in _RENAMES:
         if re.match(pattern, name):
             return re.sub(pattern, replacement, name)
-    raise KeyError(f"parameter {name!r} has no Hugging Face Llama counterpart; export_hf knows the "
-                   f"dense course model only (course_lib.model.transformer.Transformer)")
+    raise KeyError(
+        f"parameter {name!r} has no Hugging Face Llama counterpart; export_hf knows the "
+        f"dense course model only (course_lib.model.transformer.Transformer)"
+    )
 
 
 def hf_llama_config(cfg, dtype: torch.dtype = torch.float32):
@@ -98,8 +100,10 @@ def export_hf(model, path: str | Path) -> Path:
     tensors = {hf_name(name): p.detach().to("cpu").contiguous() for name, p in model.named_parameters()}
     dtypes = {t.dtype for t in tensors.values()}
     if len(dtypes) != 1:
-        raise ValueError(f"parameters have mixed dtypes {sorted(map(str, dtypes))}; cast the model to one "
-                         f"dtype (model.float() or model.bfloat16()) before exporting")
+        raise ValueError(
+            f"parameters have mixed dtypes {sorted(map(str, dtypes))}; cast the model to one "
+            f"dtype (model.float() or model.bfloat16()) before exporting"
+        )
     hf_llama_config(cfg, dtypes.pop()).save_pretrained(path)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     save_hf_tokenizer(path, cfg.vocab_size)

@@ -57,9 +57,7 @@ def decode(ids: Sequence[int] | torch.Tensor) -> str:
         ids = ids.tolist()
     bad = [i for i in ids if not 0 <= int(i) < VOCAB_SIZE]
     if bad:
-        raise ValueError(
-            f"token ids must lie in 0..{VOCAB_SIZE - 1} (VOCAB_SIZE = {VOCAB_SIZE}), got {bad[:5]}"
-        )
+        raise ValueError(f"token ids must lie in 0..{VOCAB_SIZE - 1} (VOCAB_SIZE = {VOCAB_SIZE}), got {bad[:5]}")
     return " ".join(VOCAB[int(i)] for i in ids)
 
 

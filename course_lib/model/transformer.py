@@ -26,9 +26,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from course_lib.model.config import ModelConfig
-from course_lib.model.hf_export import export_hf  # noqa: F401  (re-exported: course_lib.model.hf_export.export_hf)
+from course_lib.model.hf_export import export_hf
 
-__all__ = ["RMSNorm", "Attention", "MLP", "Block", "Transformer", "next_token_loss", "generate", "export_hf"]
+__all__ = ["MLP", "Attention", "Block", "RMSNorm", "Transformer", "export_hf", "generate", "next_token_loss"]
 
 
 class RMSNorm(nn.Module):
@@ -135,14 +135,18 @@ class Block(nn.Module):
 def _check_runnable(cfg: ModelConfig) -> None:
     """The course model is dense GQA; the other features arrive in later chapters."""
     if not isinstance(cfg, ModelConfig):
-        raise TypeError(f"Transformer expects a course_lib.model.config.ModelConfig, got {type(cfg).__name__}; "
-                        f"use course_lib.model.config.get('tiny') or build a ModelConfig")
+        raise TypeError(
+            f"Transformer expects a course_lib.model.config.ModelConfig, got {type(cfg).__name__}; "
+            f"use course_lib.model.config.get('tiny') or build a ModelConfig"
+        )
     other = "sliding-window" if cfg.sliding_window else "linear"
     later = [
         (cfg.is_moe, f"mixture of experts (n_routed_experts={cfg.n_routed_experts}): lecture 03, MoE"),
         (cfg.is_mla, f"multi-head latent attention (kv_lora_rank={cfg.kv_lora_rank}): lecture 04, DeepSeek-V3"),
-        (cfg.full_attention_interval > 1,
-         f"{other} attention layers (full_attention_interval={cfg.full_attention_interval}): lecture 04"),
+        (
+            cfg.full_attention_interval > 1,
+            f"{other} attention layers (full_attention_interval={cfg.full_attention_interval}): lecture 04",
+        ),
         (cfg.attn_output_gate, "gated attention output (attn_output_gate=True): lecture 04"),
         (cfg.mtp_depth > 0, f"multi-token prediction (mtp_depth={cfg.mtp_depth}): lecture 04"),
     ]
@@ -150,7 +154,8 @@ def _check_runnable(cfg: ModelConfig) -> None:
     if missing:
         raise NotImplementedError(
             "course_lib.model.transformer.Transformer runs dense grouped-query attention only; this config also asks for "
-            + "; ".join(missing) + ". Use its numbers with n_params()/n_active_params(), or a course config "
+            + "; ".join(missing)
+            + ". Use its numbers with n_params()/n_active_params(), or a course config "
             "such as configs.get('tiny')."
         )
 
@@ -194,12 +199,16 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"tokens must be an integer tensor [batch, seq]; got dtype {tokens.dtype}, "
-                             f"shape {tuple(tokens.shape)} (add a batch dimension with tokens[None])")
+            raise ValueError(
+                f"tokens must be an integer tensor [batch, seq]; got dtype {tokens.dtype}, "
+                f"shape {tuple(tokens.shape)} (add a batch dimension with tokens[None])"
+            )
         t = tokens.shape[1]
         if t > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {t} exceeds max_seq_len={self.cfg.max_seq_len}, the length of "
-                             f"the RoPE table; crop the input or build the config with a larger max_seq_len")
+            raise ValueError(
+                f"sequence length {t} exceeds max_seq_len={self.cfg.max_seq_len}, the length of "
+                f"the RoPE table; crop the input or build the config with a larger max_seq_len"
+            )
         h = self.tok_embeddings(tokens)
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         for layer in self.layers:
@@ -217,8 +226,10 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: i
     Computed in fp32 even for bf16 logits: log-sum-exp over the vocabulary is where low precision bites.
     """
     if logits.shape[:-1] != targets.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree: expected "
-                         f"targets of shape logits.shape[:-1]; targets are the inputs shifted left by one")
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree: expected "
+            f"targets of shape logits.shape[:-1]; targets are the inputs shifted left by one"
+        )
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=ignore_index)
 
 
@@ -232,8 +243,10 @@ def generate(model: Transformer, prompt: torch.Tensor, n_new: int) -> torch.Tens
     """
     tokens = prompt[None] if prompt.dim() == 1 else prompt
     if tokens.shape[1] + n_new > model.cfg.max_seq_len:
-        raise ValueError(f"prompt length {tokens.shape[1]} + n_new {n_new} exceeds max_seq_len="
-                         f"{model.cfg.max_seq_len}; shorten the prompt or generate fewer tokens")
+        raise ValueError(
+            f"prompt length {tokens.shape[1]} + n_new {n_new} exceeds max_seq_len="
+            f"{model.cfg.max_seq_len}; shorten the prompt or generate fewer tokens"
+        )
     for _ in range(n_new):
         next_token = model(tokens)[:, -1].argmax(dim=-1, keepdim=True)
         tokens = torch.cat([tokens, next_token], dim=1)

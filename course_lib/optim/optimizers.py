@@ -27,7 +27,7 @@ import math
 
 import torch
 
-__all__ = ["SGD", "Adam", "AdamW", "Adafactor", "Lion", "adamw_", "build", "factored_second_moment"]
+__all__ = ["SGD", "Adafactor", "Adam", "AdamW", "Lion", "adamw_", "build", "factored_second_moment"]
 
 
 class _Optimizer(torch.optim.Optimizer):
@@ -44,8 +44,10 @@ class _Optimizer(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} takes dense gradients; an nn.Embedding "
-                                       "built with sparse=True needs torch.optim.SparseAdam instead")
+                    raise RuntimeError(
+                        f"{type(self).__name__} takes dense gradients; an nn.Embedding "
+                        "built with sparse=True needs torch.optim.SparseAdam instead"
+                    )
                 self._update(p, p.grad, self.state[p], group)
         return loss
 
@@ -55,13 +57,16 @@ class _Optimizer(torch.optim.Optimizer):
 
 def _check(name: str, value: float, low: float, high: float = math.inf) -> None:
     if not low <= value < high:
-        raise ValueError(f"{name}={value} is outside [{low}, {high}); " + {
-            "lr": "a learning rate must be >= 0",
-            "momentum": "momentum mu must be in [0, 1): mu = 1 never forgets a gradient",
-            "beta": "betas must be in [0, 1): they are the decay of an exponential moving average",
-            "eps": "eps must be >= 0: it keeps the denominator away from zero",
-            "weight_decay": "weight decay must be >= 0",
-        }[name.split("[")[0]])
+        raise ValueError(
+            f"{name}={value} is outside [{low}, {high}); "
+            + {
+                "lr": "a learning rate must be >= 0",
+                "momentum": "momentum mu must be in [0, 1): mu = 1 never forgets a gradient",
+                "beta": "betas must be in [0, 1): they are the decay of an exponential moving average",
+                "eps": "eps must be >= 0: it keeps the denominator away from zero",
+                "weight_decay": "weight decay must be >= 0",
+            }[name.split("[")[0]]
+        )
 
 
 class SGD(_Optimizer):
@@ -97,8 +102,14 @@ class Adam(_Optimizer):
 
     decoupled = False
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ):
         _check("lr", lr, 0.0)
         _check("beta[0]", betas[0], 0.0, 1.0)
         _check("beta[1]", betas[1], 0.0, 1.0)
@@ -129,8 +140,14 @@ class AdamW(Adam):
 
     decoupled = True
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+    ):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
@@ -187,8 +204,15 @@ class Adafactor(_Optimizer):
     rounding for real gradients). The other defaults are the paper's: d = 1, ε₂ = 1e-3, lr = 1e-2.
     """
 
-    def __init__(self, params, lr: float = 1e-2, beta2_decay: float = -0.8, eps: tuple = (None, 1e-3),
-                 d: float = 1.0, weight_decay: float = 0.0):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-2,
+        beta2_decay: float = -0.8,
+        eps: tuple = (None, 1e-3),
+        d: float = 1.0,
+        weight_decay: float = 0.0,
+    ):
         _check("lr", lr, 0.0)
         _check("weight_decay", weight_decay, 0.0)
         if not beta2_decay <= 0:
@@ -245,8 +269,9 @@ def build(name: str, params, **kwargs) -> torch.optim.Optimizer:
 # --------------------------------------------------------------------------------------------------
 
 
-def adamw_(param, grad, exp_avg, exp_avg_sq, step: int, lr: float, beta1: float, beta2: float,
-           eps: float, weight_decay: float) -> None:
+def adamw_(
+    param, grad, exp_avg, exp_avg_sq, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float
+) -> None:
     """One AdamW step, in place (Loshchilov & Hutter 2019, Algorithm 2):
 
         θ ← θ·(1 − lr·λ)                         decoupled weight decay
@@ -261,7 +286,7 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, step: int, lr: float, beta1: float,
     param.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(grad, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    bias_correction1 = 1 - beta1 ** step
-    bias_correction2 = 1 - beta2 ** step
-    denom = (exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(eps)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
     param.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))

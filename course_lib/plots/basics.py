@@ -18,15 +18,21 @@ import matplotlib.pyplot as plt
 
 from course_lib.plots.common import KIND_COLORS, axes
 
-__all__ = ["loss_curves", "timeline", "number_line", "bars", "KIND_COLORS"]
+__all__ = ["KIND_COLORS", "bars", "loss_curves", "number_line", "timeline"]
 
 
-
-def loss_curves(curves: Mapping[str, Sequence[float] | tuple[Sequence[float], Sequence[float]]],
-                floor: float | None = None, floor_label: str = "entropy floor", levels: Mapping[str, float] | None = None,
-                ax=None, title: str | None = None,
-                ylabel: str = "cross-entropy (nats/token)", xlabel: str = "step", logx: bool = False,
-                figsize=(6.4, 4.0)):
+def loss_curves(
+    curves: Mapping[str, Sequence[float] | tuple[Sequence[float], Sequence[float]]],
+    floor: float | None = None,
+    floor_label: str = "entropy floor",
+    levels: Mapping[str, float] | None = None,
+    ax=None,
+    title: str | None = None,
+    ylabel: str = "cross-entropy (nats/token)",
+    xlabel: str = "step",
+    logx: bool = False,
+    figsize=(6.4, 4.0),
+):
     """One line per curve; a curve is a list of losses (x = 0, 1, ...) or a pair (steps, losses).
 
     ``floor`` draws a dashed horizontal line: the loss no model can beat on the course data
@@ -48,8 +54,9 @@ def loss_curves(curves: Mapping[str, Sequence[float] | tuple[Sequence[float], Se
     if floor is not None:
         ax.axhline(floor, color="black", linestyle="--", linewidth=1, label=f"{floor_label} = {floor:.3f}")
     for i, (label, level) in enumerate((levels or {}).items()):
-        ax.axhline(level, color="grey", linestyle=":", linewidth=1, alpha=0.6 + 0.4 * (i % 2),
-                   label=f"{label} = {level:.3f}")
+        ax.axhline(
+            level, color="grey", linestyle=":", linewidth=1, alpha=0.6 + 0.4 * (i % 2), label=f"{label} = {level:.3f}"
+        )
     if logx:
         ax.set_xscale("log")
     ax.set_xlabel(xlabel)
@@ -68,13 +75,22 @@ def _span_fields(span) -> tuple[str, str, float, float]:
     else:
         name, kind, start, end = span[:4]
     if end < start:
-        raise ValueError(f"span {name!r} ends before it starts ({start} > {end}); spans come from trace.span(), "
-                         "whose times are time.perf_counter() readings")
+        raise ValueError(
+            f"span {name!r} ends before it starts ({start} > {end}); spans come from trace.span(), "
+            "whose times are time.perf_counter() readings"
+        )
     return name, kind, float(start), float(end)
 
 
-def timeline(spans_per_rank: Sequence[Sequence] | Mapping[int, Sequence], ax=None, unit: str = "ms",
-             color_by: str = "kind", label_min_fraction: float = 0.06, title: str | None = None, figsize=None):
+def timeline(
+    spans_per_rank: Sequence[Sequence] | Mapping[int, Sequence],
+    ax=None,
+    unit: str = "ms",
+    color_by: str = "kind",
+    label_min_fraction: float = 0.06,
+    title: str | None = None,
+    figsize=None,
+):
     """Gantt chart: one row per rank, one bar per span, times relative to the earliest start.
 
     ``spans_per_rank``: a list indexed by rank (what ``launch`` returns when each rank returns
@@ -106,11 +122,22 @@ def timeline(spans_per_rank: Sequence[Sequence] | Mapping[int, Sequence], ax=Non
         for name, kind, start, end in fields[rank]:
             color = KIND_COLORS.get(kind, "tab:green") if color_by == "kind" else name_colors[name]
             bottom = y + 0.4 - (kinds.index(kind) + 1) * lane_height
-            ax.broken_barh([((start - t0) * scale, (end - start) * scale)], (bottom, lane_height),
-                           facecolors=color, edgecolor="black", linewidth=0.3)
+            ax.broken_barh(
+                [((start - t0) * scale, (end - start) * scale)],
+                (bottom, lane_height),
+                facecolors=color,
+                edgecolor="black",
+                linewidth=0.3,
+            )
             if (end - start) / total >= label_min_fraction:
-                ax.text((start + end - 2 * t0) / 2 * scale, bottom + lane_height / 2, name, ha="center",
-                        va="center", fontsize=7)
+                ax.text(
+                    (start + end - 2 * t0) / 2 * scale,
+                    bottom + lane_height / 2,
+                    name,
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                )
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in reversed(ranks)])
     ax.set_xlabel(f"time ({unit})")
     ax.set_xlim(0, total * scale)
@@ -122,8 +149,9 @@ def timeline(spans_per_rank: Sequence[Sequence] | Mapping[int, Sequence], ax=Non
     return ax
 
 
-def number_line(values: Mapping[str, Sequence[float]], ax=None, log: bool = True, title: str | None = None,
-                figsize=(7.0, 2.5)):
+def number_line(
+    values: Mapping[str, Sequence[float]], ax=None, log: bool = True, title: str | None = None, figsize=(7.0, 2.5)
+):
     """Tick marks at each representable positive value of each format, one row per format.
 
     On a log axis the gaps between ticks are the relative spacing: constant within a binade, which
@@ -146,8 +174,14 @@ def number_line(values: Mapping[str, Sequence[float]], ax=None, log: bool = True
     return ax
 
 
-def bars(values: Mapping[str, float], ax=None, ylabel: str = "", title: str | None = None, fmt: str = "{:g}",
-         figsize=(6.4, 3.2)):
+def bars(
+    values: Mapping[str, float],
+    ax=None,
+    ylabel: str = "",
+    title: str | None = None,
+    fmt: str = "{:g}",
+    figsize=(6.4, 3.2),
+):
     """One bar per entry, its value written on top (e.g. optimizer state bytes per parameter)."""
     if not values:
         raise ValueError("bars needs at least one value")

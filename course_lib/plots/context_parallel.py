@@ -14,12 +14,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import matplotlib.pyplot as plt
-
-from course_lib.plots.common import axes
 import numpy as np
 
-__all__ = ["causal_work_grid", "memory_vs_length", "work_per_rank"]
+from course_lib.plots.common import axes
 
+__all__ = ["causal_work_grid", "memory_vs_length", "work_per_rank"]
 
 
 def causal_work_grid(owners: Sequence[int], ax=None, title: str | None = None, figsize=(3.6, 3.4)):
@@ -59,8 +58,9 @@ def causal_work_grid(owners: Sequence[int], ax=None, title: str | None = None, f
     return ax
 
 
-def work_per_rank(work: Mapping[str, Sequence[float]], ax=None, ylabel: str = "work", title: str | None = None,
-                  figsize=(5.0, 3.2)):
+def work_per_rank(
+    work: Mapping[str, Sequence[float]], ax=None, ylabel: str = "work", title: str | None = None, figsize=(5.0, 3.2)
+):
     """Grouped bars: one group per rank, one bar per layout; a dashed line at each layout's mean.
 
     The slowest rank sets the pace of every ring step, so the gap between the tallest bar and the
@@ -88,9 +88,17 @@ def work_per_rank(work: Mapping[str, Sequence[float]], ax=None, ylabel: str = "w
     return ax
 
 
-def memory_vs_length(seq_lens: Sequence[int], curves: Mapping[str, Sequence[float]], ax=None,
-                     ylabel: str = "bytes per rank", title: str | None = None, budget: float | None = None,
-                     budget_label: str = "budget", styles: Mapping[str, str] | None = None, figsize=(5.0, 3.4)):
+def memory_vs_length(
+    seq_lens: Sequence[int],
+    curves: Mapping[str, Sequence[float]],
+    ax=None,
+    ylabel: str = "bytes per rank",
+    title: str | None = None,
+    budget: float | None = None,
+    budget_label: str = "budget",
+    styles: Mapping[str, str] | None = None,
+    figsize=(5.0, 3.4),
+):
     """One line per method against sequence length, both axes logarithmic (base 2).
 
     On a log-log plot a term growing as s has slope 1 and one growing as s² slope 2, so the

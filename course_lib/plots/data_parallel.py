@@ -13,14 +13,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import matplotlib.pyplot as plt
-
-from course_lib.plots.common import axes
 import numpy as np
 
-__all__ = ["ddp_timeline", "measured_vs_formula", "compute_segments"]
+from course_lib.plots.common import axes
+
+__all__ = ["compute_segments", "ddp_timeline", "measured_vs_formula"]
 
 COMPUTE_COLORS = {"forward": "tab:blue", "backward": "tab:cyan", "ddp.wait": "lightgrey", "optimizer": "tab:green"}
-
 
 
 def compute_segments(spans) -> list[tuple[str, float, float]]:
@@ -41,8 +40,14 @@ def compute_segments(spans) -> list[tuple[str, float, float]]:
     return out
 
 
-def ddp_timeline(spans_per_rank: Sequence[Sequence], ax=None, title: str | None = None, unit: str = "ms",
-                 origin: float | None = None, figsize=(8.0, 2.6)):
+def ddp_timeline(
+    spans_per_rank: Sequence[Sequence],
+    ax=None,
+    title: str | None = None,
+    unit: str = "ms",
+    origin: float | None = None,
+    figsize=(8.0, 2.6),
+):
     """Two lanes per rank: compute spans above, each all-reduce below as a bar from launch to completion.
 
     An all-reduce span ends where the rank waited for it; if the span's ``meta["done"]`` holds the
@@ -59,18 +64,34 @@ def ddp_timeline(spans_per_rank: Sequence[Sequence], ax=None, title: str | None 
     for rank, spans in enumerate(spans_per_rank):
         base = 2.5 * (n - 1 - rank)  # rank 0 on top
         for name, start, end in compute_segments(spans):
-            ax.broken_barh([((start - t0) * scale, (end - start) * scale)], (base + 1.0, 0.8),
-                           facecolors=COMPUTE_COLORS.get(name, "tab:purple"), edgecolor="black", linewidth=0.3)
+            ax.broken_barh(
+                [((start - t0) * scale, (end - start) * scale)],
+                (base + 1.0, 0.8),
+                facecolors=COMPUTE_COLORS.get(name, "tab:purple"),
+                edgecolor="black",
+                linewidth=0.3,
+            )
         comms = [s for s in spans if s.kind == "comm"]
         height = 0.9 / max(1, len(comms))  # one thin row per collective, first at the top: a staircase
         for k, s in enumerate(comms):
             end = s.meta.get("done", s.end)
             lane = base + 0.9 - (k + 1) * height
-            ax.broken_barh([((s.start - t0) * scale, (end - s.start) * scale)], (lane, height * 0.85),
-                           facecolors="tab:orange", edgecolor="black", linewidth=0.2)
+            ax.broken_barh(
+                [((s.start - t0) * scale, (end - s.start) * scale)],
+                (lane, height * 0.85),
+                facecolors="tab:orange",
+                edgecolor="black",
+                linewidth=0.2,
+            )
             if "bucket" in s.meta:
-                ax.text((s.start - t0) * scale, lane + height / 2, f"{s.meta['bucket']} ", va="center",
-                        ha="right", fontsize=5)
+                ax.text(
+                    (s.start - t0) * scale,
+                    lane + height / 2,
+                    f"{s.meta['bucket']} ",
+                    va="center",
+                    ha="right",
+                    fontsize=5,
+                )
         ticks += [base + 1.4, base + 0.45]
         labels += [f"rank {rank} compute", f"rank {rank} all-reduce"]
     ax.set_yticks(ticks, labels, fontsize=7)
@@ -84,18 +105,29 @@ def ddp_timeline(spans_per_rank: Sequence[Sequence], ax=None, title: str | None 
     return ax
 
 
-def measured_vs_formula(measured: Mapping[str, float], formula: Mapping[str, float], ax=None, ylabel: str = "",
-                        title: str | None = None, scale: float = 1.0, fmt: str = "{:.0f}", figsize=(5.0, 3.2)):
+def measured_vs_formula(
+    measured: Mapping[str, float],
+    formula: Mapping[str, float],
+    ax=None,
+    ylabel: str = "",
+    title: str | None = None,
+    scale: float = 1.0,
+    fmt: str = "{:.0f}",
+    figsize=(5.0, 3.2),
+):
     """Grouped bars: for each label, the measured value and the formula's prediction side by side."""
     if list(measured) != list(formula):
-        raise ValueError(f"measured and formula must have the same labels in the same order: "
-                         f"{list(measured)} vs {list(formula)}")
+        raise ValueError(
+            f"measured and formula must have the same labels in the same order: {list(measured)} vs {list(formula)}"
+        )
     if not measured:
         raise ValueError("measured_vs_formula needs at least one label")
     ax = axes(ax, figsize)
     x = np.arange(len(measured))
-    for offset, values, label, color in ((-0.2, measured, "measured", "tab:blue"),
-                                         (0.2, formula, "formula", "tab:grey")):
+    for offset, values, label, color in (
+        (-0.2, measured, "measured", "tab:blue"),
+        (0.2, formula, "formula", "tab:grey"),
+    ):
         heights = [float(v) / scale for v in values.values()]
         bars = ax.bar(x + offset, heights, width=0.4, label=label, color=color)
         ax.bar_label(bars, labels=[fmt.format(h) for h in heights], fontsize=7)

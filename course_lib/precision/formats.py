@@ -33,8 +33,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FloatFormat", "FORMATS", "format_table", "round_to_format", "relative_rounding_error",
-           "representable_values"]
+__all__ = [
+    "FORMATS",
+    "FloatFormat",
+    "format_table",
+    "relative_rounding_error",
+    "representable_values",
+    "round_to_format",
+]
 
 
 @dataclass(frozen=True)
@@ -83,22 +89,27 @@ class FloatFormat:
         return 2.0 ** -(self.mantissa_bits + 1)
 
 
-FORMATS: dict[str, FloatFormat] = {f.name: f for f in [
-    FloatFormat("fp32", 8, 23, 127, "ieee", torch.float32),
-    FloatFormat("fp16", 5, 10, 15, "ieee", torch.float16),
-    FloatFormat("bf16", 8, 7, 127, "ieee", torch.bfloat16),
-    FloatFormat("fp8_e4m3", 4, 3, 7, "fn", torch.float8_e4m3fn),
-    FloatFormat("fp8_e5m2", 5, 2, 15, "ieee", torch.float8_e5m2),
-    FloatFormat("fp4_e2m1", 2, 1, 1, "none", None),  # torch.float4_e2m1fn_x2 packs two and has no finfo
-]}
+FORMATS: dict[str, FloatFormat] = {
+    f.name: f
+    for f in [
+        FloatFormat("fp32", 8, 23, 127, "ieee", torch.float32),
+        FloatFormat("fp16", 5, 10, 15, "ieee", torch.float16),
+        FloatFormat("bf16", 8, 7, 127, "ieee", torch.bfloat16),
+        FloatFormat("fp8_e4m3", 4, 3, 7, "fn", torch.float8_e4m3fn),
+        FloatFormat("fp8_e5m2", 5, 2, 15, "ieee", torch.float8_e5m2),
+        FloatFormat("fp4_e2m1", 2, 1, 1, "none", None),  # torch.float4_e2m1fn_x2 packs two and has no finfo
+    ]
+}
 
 
 def _format(fmt: str | FloatFormat) -> FloatFormat:
     if isinstance(fmt, FloatFormat):
         return fmt
     if fmt not in FORMATS:
-        raise ValueError(f"unknown number format {fmt!r}; choose one of {', '.join(FORMATS)} "
-                         "or pass a FloatFormat(name, exponent_bits, mantissa_bits, bias, specials)")
+        raise ValueError(
+            f"unknown number format {fmt!r}; choose one of {', '.join(FORMATS)} "
+            "or pass a FloatFormat(name, exponent_bits, mantissa_bits, bias, specials)"
+        )
     return FORMATS[fmt]
 
 
@@ -116,9 +127,20 @@ def format_table(names: list[str] | None = None) -> list[dict]:
             mx, normal, eps, source = fi.max, fi.smallest_normal, fi.eps, "torch.finfo"
         else:
             mx, normal, eps, source = f.max, f.smallest_normal, f.eps, "bit layout"
-        rows.append(dict(format=f.name, bits=f.bits, exponent_bits=f.exponent_bits, mantissa_bits=f.mantissa_bits,
-                         max=mx, smallest_normal=normal, smallest_subnormal=normal * eps, eps=eps,
-                         unit_roundoff=eps / 2, source=source))
+        rows.append(
+            dict(
+                format=f.name,
+                bits=f.bits,
+                exponent_bits=f.exponent_bits,
+                mantissa_bits=f.mantissa_bits,
+                max=mx,
+                smallest_normal=normal,
+                smallest_subnormal=normal * eps,
+                eps=eps,
+                unit_roundoff=eps / 2,
+                source=source,
+            )
+        )
     return rows
 
 
@@ -183,8 +205,11 @@ def relative_rounding_error(fmt: str | FloatFormat, n: int = 200_000, seed: int 
     x = sign * magnitude
     if f.name != "fp32":
         x = x.float().clamp(-f.max, f.max)  # exact fp32 inputs; clamp undoes the one possible overflow
-    err = ((round_to_format(x, f).double() - x.double()).abs() / x.double().abs())
-    return dict(format=f.name, max=err.max().item(), mean=err.mean().item(), bound=f.unit_roundoff,
-                tight_bound=f.unit_roundoff / (1 + f.unit_roundoff))
-
-
+    err = (round_to_format(x, f).double() - x.double()).abs() / x.double().abs()
+    return dict(
+        format=f.name,
+        max=err.max().item(),
+        mean=err.mean().item(),
+        bound=f.unit_roundoff,
+        tight_bound=f.unit_roundoff / (1 + f.unit_roundoff),
+    )

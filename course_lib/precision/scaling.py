@@ -20,11 +20,18 @@ class DynamicLossScaler:
     (``unscale_(opt)`` before ``step`` when you clip gradients). ``history`` records every update.
     """
 
-    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000):
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ):
         if not (growth_factor > 1 and 0 < backoff_factor < 1):
-            raise ValueError(f"need growth_factor > 1 and 0 < backoff_factor < 1, got {growth_factor}, "
-                             f"{backoff_factor}: the scale must grow after clean steps and shrink after overflow")
+            raise ValueError(
+                f"need growth_factor > 1 and 0 < backoff_factor < 1, got {growth_factor}, "
+                f"{backoff_factor}: the scale must grow after clean steps and shrink after overflow"
+            )
         if not (isinstance(growth_interval, int) and growth_interval >= 1):
             raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
         self.scale_value = float(init_scale)
@@ -43,8 +50,10 @@ class DynamicLossScaler:
     def unscale_(self, optimizer: torch.optim.Optimizer) -> bool:
         """Divide every gradient by S (exactly, S being a power of two) and return whether any is inf/NaN."""
         if self._found_inf is not None:
-            raise RuntimeError("unscale_() was already called since the last update(): a second call would "
-                               "divide the gradients by the scale twice")
+            raise RuntimeError(
+                "unscale_() was already called since the last update(): a second call would "
+                "divide the gradients by the scale twice"
+            )
         inv_scale = 1.0 / self.scale_value
         found = False
         for group in optimizer.param_groups:
@@ -78,6 +87,7 @@ class DynamicLossScaler:
                 if math.isfinite(grown):  # GradScaler keeps the old scale rather than grow to inf
                     self.scale_value = grown
                 self.good_steps, action = 0, "step, grow"
-        self.history.append(dict(scale_used=before, found_inf=self._found_inf, action=action,
-                                 next_scale=self.scale_value))
+        self.history.append(
+            dict(scale_used=before, found_inf=self._found_inf, action=action, next_scale=self.scale_value)
+        )
         self._found_inf = None

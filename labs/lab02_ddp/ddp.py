@@ -90,7 +90,7 @@ class DDP(nn.Module):
             buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
             views, offset = [], 0
             for p in params:
-                views.append(buffer[offset:offset + p.numel()].view_as(p))
+                views.append(buffer[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
             self.buckets.append(Bucket(params, [named[i][0] for i in members], buffer, views, len(params)))
         # slot[id(p)] = (bucket number, position of p in that bucket)

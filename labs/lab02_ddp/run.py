@@ -19,14 +19,14 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ddp import DDP  # noqa: E402
+from ddp import DDP
 
+from course_lib import data
+from course_lib import dist as cdist
+from course_lib.dist import counter
 from course_lib.model import config as configs
-from course_lib import data  # noqa: E402
-from course_lib import dist as cdist  # noqa: E402
-from course_lib.parallel.data.ddp import split_batch  # noqa: E402
-from course_lib.dist import counter  # noqa: E402
-from course_lib.model.transformer import Transformer, next_token_loss  # noqa: E402
+from course_lib.model.transformer import Transformer, next_token_loss
+from course_lib.parallel.data.ddp import split_batch
 
 
 def main() -> None:
@@ -43,8 +43,10 @@ def main() -> None:
     torch.manual_seed(rank)  # deliberately different: DDP's broadcast must make them equal
     model = DDP(Transformer(configs.get("tiny")).to(dev), bucket_cap_mb=args.bucket_cap_mb)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    say(f"{world} ranks, backend {cdist.backend()}; {len(model.buckets)} buckets of "
-        f"{[sum(p.numel() * 4 for p in b.params) for b in model.buckets]} bytes, first {model.bucket_names()[0]}")
+    say(
+        f"{world} ranks, backend {cdist.backend()}; {len(model.buckets)} buckets of "
+        f"{[sum(p.numel() * 4 for p in b.params) for b in model.buckets]} bytes, first {model.bucket_names()[0]}"
+    )
 
     lang = data.MarkovLanguage()
     ds = data.make_dataset(lang, args.batch * 64 * args.steps + 1, 64, seed=1)
@@ -64,9 +66,11 @@ def main() -> None:
                 total += loss.detach()
         opt.step()
         dist.all_reduce(total)  # outside the count: reporting only
-        say(f"step {step + 1}: loss {total.item() / world:.4f}, all-reduces {c.calls('all_reduce')} "
+        say(
+            f"step {step + 1}: loss {total.item() / world:.4f}, all-reduces {c.calls('all_reduce')} "
             f"({c.bytes('all_reduce')} B) for {len(model.buckets)} buckets; {len(micro) - 1} of {len(micro)} "
-            "micro-batches ran in no_sync")
+            "micro-batches ran in no_sync"
+        )
 
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     reference = flat.clone()

@@ -69,8 +69,10 @@ def my_slice(weight: torch.Tensor, dim: int, group) -> nn.Parameter:
     """Rank r's slice r of ``weight.chunk(t, dim)``, as a fresh Parameter (given)."""
     t, r = dist.get_world_size(group), dist.get_rank(group)
     if weight.shape[dim] % t:
-        raise ValueError(f"tensor parallel size {t} does not divide dimension {dim} of a weight of shape "
-                         f"{tuple(weight.shape)}: choose a size that divides {weight.shape[dim]}")
+        raise ValueError(
+            f"tensor parallel size {t} does not divide dimension {dim} of a weight of shape "
+            f"{tuple(weight.shape)}: choose a size that divides {weight.shape[dim]}"
+        )
     return nn.Parameter(weight.detach().chunk(t, dim)[r].clone())
 
 

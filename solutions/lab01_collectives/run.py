@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter  # noqa: E402
+from collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 
-from course_lib import dist as cdist  # noqa: E402
-from course_lib.dist import counter  # noqa: E402
+from course_lib import dist as cdist
+from course_lib.dist import counter
 
 
 def timed(fn, repeats: int) -> float:
@@ -90,8 +90,8 @@ def main() -> None:
     say(f"{'size':>10} {'ring (ms)':>10} {'model (ms)':>11} {'torch (ms)':>11}")
     for kib in args.sizes_kib:
         t = torch.ones(kib * 256, device=dev)
-        ring = timed(lambda: ring_all_reduce(t), args.repeats)
-        torch_t = timed(lambda: dist.all_reduce(t), args.repeats)
+        ring = timed(lambda t=t: ring_all_reduce(t), args.repeats)
+        torch_t = timed(lambda t=t: dist.all_reduce(t), args.repeats)
         model = 2 * (n - 1) * alpha + 2 * (n - 1) / n * t.numel() * 4 / beta
         say(f"{kib:>7} KiB {ring * 1e3:>10.2f} {model * 1e3:>11.2f} {torch_t * 1e3:>11.2f}")
     cdist.shutdown()

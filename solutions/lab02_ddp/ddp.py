@@ -106,7 +106,7 @@ class DDP(nn.Module):
             buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
             views, offset = [], 0
             for p in params:
-                views.append(buffer[offset:offset + p.numel()].view_as(p))
+                views.append(buffer[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
             self.buckets.append(Bucket(params, [named[i][0] for i in members], buffer, views, len(params)))
         # slot[id(p)] = (bucket number, position of p in that bucket)
@@ -162,7 +162,9 @@ class DDP(nn.Module):
             # BEGIN SOLUTION Task 4: wait for every bucket, copy the averages into param.grad
             for bucket in self.buckets:
                 if bucket.work is None:
-                    raise RuntimeError(f"bucket of {bucket.names} was never launched: did every parameter get a gradient?")
+                    raise RuntimeError(
+                        f"bucket of {bucket.names} was never launched: did every parameter get a gradient?"
+                    )
                 bucket.work.wait()
                 for p, view in zip(bucket.params, bucket.views):
                     p.grad.copy_(view)

@@ -21,15 +21,15 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from zero import ZeroAdamW  # noqa: E402
+from zero import ZeroAdamW
 
-from course_lib.model import config as configs  # noqa: E402
-from course_lib import dist as cdist  # noqa: E402
-from course_lib.dist import counter  # noqa: E402
-from course_lib.dist.census import held_bytes
+from course_lib import dist as cdist
 from course_lib.cost.comm import ring_wire_bytes, zero_comm_bytes
-from course_lib.cost.memory import zero_model_state_bytes  # noqa: E402
-from course_lib.model.transformer import Transformer, next_token_loss  # noqa: E402
+from course_lib.cost.memory import zero_model_state_bytes
+from course_lib.dist import counter
+from course_lib.dist.census import held_bytes
+from course_lib.model import config as configs
+from course_lib.model.transformer import Transformer, next_token_loss
 
 LR, WD = 3e-3, 0.1
 
@@ -67,7 +67,9 @@ def main() -> None:
     ref = reference(args.model, args.steps)
     psi = sum(p.numel() for p in ref)
     say(f"{n} ranks, backend {cdist.backend()}, model {args.model!r} with Ψ = {psi} parameters, fp32 AdamW")
-    say(f"{'stage':>5} {'max |Δθ| vs DDP':>16} {'held B/rank':>12} {'formula':>10} {'moved B/step':>13} {'formula':>10}")
+    say(
+        f"{'stage':>5} {'max |Δθ| vs DDP':>16} {'held B/rank':>12} {'formula':>10} {'moved B/step':>13} {'formula':>10}"
+    )
     for stage in (0, 1, 2, 3):
         net = model(args.model)
         zero = ZeroAdamW(net, stage, lr=LR, weight_decay=WD)
@@ -83,8 +85,10 @@ def main() -> None:
             zero._gather(u)  # to read the parameters
         gap = max((p - q).abs().max().item() for p, q in zip(net.parameters(), ref))
         moved = ring_wire_bytes(c.as_dict(), n)
-        say(f"{stage:>5} {gap:>16.2e} {int(held):>12} {zero_model_state_bytes(psi, n, stage, 8, 4, 4):>10.0f} "
-            f"{moved:>13.0f} {zero_comm_bytes(psi, n, stage, 4):>10.0f}")
+        say(
+            f"{stage:>5} {gap:>16.2e} {int(held):>12} {zero_model_state_bytes(psi, n, stage, 8, 4, 4):>10.0f} "
+            f"{moved:>13.0f} {zero_comm_bytes(psi, n, stage, 4):>10.0f}"
+        )
     cdist.shutdown()
 
 

@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from course_lib.model import config as configs
 from course_lib.data import MarkovLanguage, make_dataset
 from course_lib.dist import backend, device
+from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer, next_token_loss
 from course_lib.parallel.data.zero import Zero
 
@@ -63,8 +63,9 @@ def _model(name: str, seed: int, overrides: dict | None = None) -> Transformer:
     return Transformer(configs.get(name, **(overrides or {}))).to(device())
 
 
-def train_course(stage: int, steps: int, ds_config: dict, model: str = "tiny", seed: int = 0,
-                 overrides: dict | None = None) -> dict:
+def train_course(
+    stage: int, steps: int, ds_config: dict, model: str = "tiny", seed: int = 0, overrides: dict | None = None
+) -> dict:
     """course_lib ZeRO with the optimizer settings of ``ds_config``: {"losses", "step_s", "state_bytes"}."""
     opt = ds_config["optimizer"]["params"]
     net = _model(model, seed, overrides)
@@ -81,8 +82,14 @@ def train_course(stage: int, steps: int, ds_config: dict, model: str = "tiny", s
     return {"losses": losses, "step_s": times, "state_bytes": zero.model_state_bytes()["total"]}
 
 
-def train_deepspeed(stage: int, steps: int, ds_config: dict | None = None, model: str = "tiny", seed: int = 0,
-                    overrides: dict | None = None) -> dict:
+def train_deepspeed(
+    stage: int,
+    steps: int,
+    ds_config: dict | None = None,
+    model: str = "tiny",
+    seed: int = 0,
+    overrides: dict | None = None,
+) -> dict:
     """DeepSpeed ZeRO via ``deepspeed.initialize`` in this process group: {"losses", "step_s"}."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if device().type == "cpu" else "cuda")
     import deepspeed
@@ -117,11 +124,15 @@ def main() -> None:
     accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend=backend())])
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None:
-        raise SystemExit("no DeepSpeed plugin: launch with --config_file solutions/accelerate/deepspeed_zero{1,2,3}.yaml")
+        raise SystemExit(
+            "no DeepSpeed plugin: launch with --config_file solutions/accelerate/deepspeed_zero{1,2,3}.yaml"
+        )
     stage, ds_config = plugin.zero_stage, plugin.deepspeed_config
     say = accelerator.print
-    say(f"{accelerator.num_processes} ranks, {accelerator.distributed_type}, DeepSpeed ZeRO-{stage}, "
-        f"device {accelerator.device}")
+    say(
+        f"{accelerator.num_processes} ranks, {accelerator.distributed_type}, DeepSpeed ZeRO-{stage}, "
+        f"device {accelerator.device}"
+    )
 
     net = _model(args.model, 0)
     engine, _ = accelerator.prepare(net, DummyOptim(net.parameters()))  # the optimizer comes from the JSON

@@ -36,8 +36,8 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight
     param.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(grad, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    denom = (exp_avg_sq.sqrt() / (1 - beta2 ** step) ** 0.5).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-(lr / (1 - beta1 ** step)))
+    denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-(lr / (1 - beta1**step)))
 
 
 def padded_size(numel: int, n: int) -> int:
@@ -51,7 +51,7 @@ def shard_of(flat: torch.Tensor, index: int, n: int) -> torch.Tensor:
     """The ``index``-th of ``n`` equal slices of ``flat`` (a view, not a copy)."""
     # BEGIN SOLUTION Task 1: pad a flat buffer so that N divides it
     size = flat.numel() // n
-    return flat[index * size:(index + 1) * size]
+    return flat[index * size : (index + 1) * size]
     # END SOLUTION
 
 
@@ -72,7 +72,7 @@ class Unit:
     def views(self, flat):
         out, at = [], 0
         for p in self.params:
-            out.append((p, flat[at:at + p.numel()].view_as(p)))
+            out.append((p, flat[at : at + p.numel()].view_as(p)))
             at += p.numel()
         return out
 
@@ -174,8 +174,17 @@ class ZeroAdamW:
             if self.stage == 0:  # DDP (given): average the whole gradient, update everything
                 u.grad_full.mul_(1 / self.n)
                 dist.all_reduce(u.grad_full, group=self.group)
-                adamw_(u.full, u.grad_full, u.exp_avg, u.exp_avg_sq, self.step_count, self.lr, *self.betas,
-                       self.eps, self.weight_decay)
+                adamw_(
+                    u.full,
+                    u.grad_full,
+                    u.exp_avg,
+                    u.exp_avg_sq,
+                    self.step_count,
+                    self.lr,
+                    *self.betas,
+                    self.eps,
+                    self.weight_decay,
+                )
                 continue
             if self.stage == 1:
                 # BEGIN SOLUTION Task 2: ZeRO-1 step: reduce-scatter, update my shard, all-gather
@@ -187,8 +196,17 @@ class ZeroAdamW:
                 grad = u.grad_shard
             params = u.shard if self.stage == 3 else shard_of(u.full, self.rank, self.n)
             # BEGIN SOLUTION Task 2: ZeRO-1 step: reduce-scatter, update my shard, all-gather
-            adamw_(params, grad, u.exp_avg, u.exp_avg_sq, self.step_count, self.lr, *self.betas, self.eps,
-                   self.weight_decay)
+            adamw_(
+                params,
+                grad,
+                u.exp_avg,
+                u.exp_avg_sq,
+                self.step_count,
+                self.lr,
+                *self.betas,
+                self.eps,
+                self.weight_decay,
+            )
             if self.stage in (1, 2):
                 dist.all_gather_single(u.full, params, group=self.group)
             # END SOLUTION

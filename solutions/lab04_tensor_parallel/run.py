@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tensor_parallel import (  # noqa: E402
+from tensor_parallel import (
     ColumnParallelLinear,
     DenseMLP,
     ParallelMLP,
@@ -26,10 +26,10 @@ from tensor_parallel import (  # noqa: E402
     vocab_parallel_cross_entropy,
 )
 
-from course_lib import dist as cdist  # noqa: E402
+from course_lib import dist as cdist
+from course_lib.data import MarkovLanguage, make_dataset
+from course_lib.dist import counter
 from course_lib.model.tokenizer import VOCAB_SIZE
-from course_lib.data import MarkovLanguage, make_dataset  # noqa: E402
-from course_lib.dist import counter  # noqa: E402
 
 
 class DenseLM(nn.Module):
@@ -91,8 +91,10 @@ def main() -> None:
         worst = max(worst, abs(losses[0] - losses[1]))
         if step % 10 == 0 or step == args.steps - 1:
             say(f"{step:>5} {losses[0]:>11.4f} {losses[1]:>9.4f} {abs(losses[0] - losses[1]):>9.1e}")
-    say(f"collectives per step on rank 0: {fwd.calls('all_reduce')} all-reduces forward "
-        f"(embedding 1, MLP 1, cross-entropy 3), {bwd.calls('all_reduce')} backward (MLP 1, output layer 1)")
+    say(
+        f"collectives per step on rank 0: {fwd.calls('all_reduce')} all-reduces forward "
+        f"(embedding 1, MLP 1, cross-entropy 3), {bwd.calls('all_reduce')} backward (MLP 1, output layer 1)"
+    )
     say(f"largest loss difference TP vs dense over {args.steps} steps: {worst:.1e}")
     assert worst < 1e-4, "the TP model should follow the dense loss curve: run ./course grade lab04 for details"
     say("TP training follows the dense loss curve")

@@ -18,14 +18,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import sequence_parallel as sp  # noqa: E402
+import sequence_parallel as sp
 
-from course_lib import dist as cdist  # noqa: E402
-from course_lib.dist import counter  # noqa: E402
+from course_lib import dist as cdist
 from course_lib.cost.activations import attention_memory_per_rank
-from course_lib.cost.comm import ring_comm_bytes
-from course_lib.parallel.context.ring_attention import shard, unshard  # noqa: E402
-from course_lib.cost.comm import ulysses_comm_bytes  # noqa: E402
+from course_lib.cost.comm import (
+    ring_comm_bytes,
+    ulysses_comm_bytes,
+)
+from course_lib.dist import counter
+from course_lib.parallel.context.ring_attention import shard, unshard
 
 
 def gather(x: torch.Tensor) -> list[torch.Tensor]:
@@ -45,10 +47,14 @@ def check(name, attend, split, join, full, say) -> None:
     ref_q, ref_k, ref_v = (t.clone().requires_grad_() for t in full[:3])
     ref = F.scaled_dot_product_attention(ref_q, ref_k, ref_v, is_causal=True, enable_gqa=True)
     (ref * full[3]).sum().backward()
-    errors = [(join(gather(a.detach())) - b).abs().max().item()
-              for a, b in zip((out, q.grad, k.grad, v.grad), (ref.detach(), ref_q.grad, ref_k.grad, ref_v.grad))]
-    say(f"{name}: max |difference| from full causal attention: out {errors[0]:.1e}, dq {errors[1]:.1e}, "
-        f"dk {errors[2]:.1e}, dv {errors[3]:.1e} (fp32; allowed 1e-5)")
+    errors = [
+        (join(gather(a.detach())) - b).abs().max().item()
+        for a, b in zip((out, q.grad, k.grad, v.grad), (ref.detach(), ref_q.grad, ref_k.grad, ref_v.grad))
+    ]
+    say(
+        f"{name}: max |difference| from full causal attention: out {errors[0]:.1e}, dq {errors[1]:.1e}, "
+        f"dk {errors[2]:.1e}, dv {errors[3]:.1e} (fp32; allowed 1e-5)"
+    )
     assert max(errors) <= 1e-5, f"{name} differs from full causal attention"
     total = {"calls": c.calls(), "bytes": c.bytes("isend") + c.bytes("all_to_all_single")}
     return forward, total
@@ -88,23 +94,31 @@ def main() -> None:
     else:
         formula = ring_comm_bytes(b, s, hk, d, n)
         say(f"ring forward: rank 0 sent {fwd['bytes']} B; K and V, N-1 hops each: {formula['forward_bytes']} B")
-        say(f"ring forward+backward: {total['bytes']} B; formula {formula['forward_bytes'] + formula['backward_bytes']} B")
+        say(
+            f"ring forward+backward: {total['bytes']} B; formula {formula['forward_bytes'] + formula['backward_bytes']} B"
+        )
         per_rank = gather(torch.tensor([sum(work)], device=dev))
         say(f"unmasked scores computed per rank (zigzag): {[int(t) for t in per_rank]}")
 
     # 2. Ulysses (extra credit).
     try:
-        fwd, _ = check("ulysses", sp.ulysses_attention, lambda t: t.chunk(n, dim=-2)[rank], lambda xs: torch.cat(xs, -2), full, say)
-        say(f"ulysses forward: rank 0 handed {fwd['bytes']} B to 4 all-to-alls; formula "
-            f"{ulysses_comm_bytes(b, s, h, hk, d, n)['payload_per_rank']} B")
+        fwd, _ = check(
+            "ulysses", sp.ulysses_attention, lambda t: t.chunk(n, dim=-2)[rank], lambda xs: torch.cat(xs, -2), full, say
+        )
+        say(
+            f"ulysses forward: rank 0 handed {fwd['bytes']} B to 4 all-to-alls; formula "
+            f"{ulysses_comm_bytes(b, s, h, hk, d, n)['payload_per_rank']} B"
+        )
     except NotImplementedError as e:
         say(f"ulysses: not implemented ({e}) — Task 4 is extra credit")
 
     # 3. The memory model at a long context, for the write-up.
     for method in ("none", "ulysses", "ring"):
         m = attention_memory_per_rank(32768, 32, 8, 128, n, method)
-        say(f"memory per rank, s=32768, h=32, h_kv=8, d=128, N={n}, {method:>7}: saved {m['saved'] / 2**20:.0f} MiB, "
-            f"scores {m['scores'] / 2**30:.1f} GiB")
+        say(
+            f"memory per rank, s=32768, h=32, h_kv=8, d=128, N={n}, {method:>7}: saved {m['saved'] / 2**20:.0f} MiB, "
+            f"scores {m['scores'] / 2**30:.1f} GiB"
+        )
     cdist.shutdown()
 
 

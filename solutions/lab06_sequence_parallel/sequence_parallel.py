@@ -75,16 +75,20 @@ def ring_attention_forward(q, k, v, group=None):
         src = (rank - step) % n
         if step < n - 1:  # the next block travels while this one is computed on
             nk, nv = torch.empty_like(k), torch.empty_like(v)
-            works = [dist.isend(k.contiguous(), right, group=group), dist.isend(v.contiguous(), right, group=group),
-                     dist.irecv(nk, left, group=group), dist.irecv(nv, left, group=group)]
+            works = [
+                dist.isend(k.contiguous(), right, group=group),
+                dist.isend(v.contiguous(), right, group=group),
+                dist.irecv(nk, left, group=group),
+                dist.irecv(nv, left, group=group),
+            ]
         if src == rank:
             rows, keys, causal = slice(0, length), slice(0, length), True
         elif src < rank:
             rows, keys, causal = slice(0, length), slice(0, c), False
         else:
             rows, keys, causal = slice(c, length), slice(0, length), False
-        o, l = block_attention(q[..., rows, :], k[..., keys, :], v[..., keys, :], causal)
-        out[..., rows, :], lse[..., rows] = merge_partials(out[..., rows, :], lse[..., rows], o, l)
+        o, block_lse = block_attention(q[..., rows, :], k[..., keys, :], v[..., keys, :], causal)
+        out[..., rows, :], lse[..., rows] = merge_partials(out[..., rows, :], lse[..., rows], o, block_lse)
         if step < n - 1:
             for w in works:
                 w.wait()
@@ -115,8 +119,12 @@ def ring_attention_backward(dout, q, k, v, out, lse, group=None):
         src = (rank - step) % n
         if step < n - 1:
             nk, nv = torch.empty_like(k), torch.empty_like(v)
-            works = [dist.isend(k.contiguous(), right, group=group), dist.isend(v.contiguous(), right, group=group),
-                     dist.irecv(nk, left, group=group), dist.irecv(nv, left, group=group)]
+            works = [
+                dist.isend(k.contiguous(), right, group=group),
+                dist.isend(v.contiguous(), right, group=group),
+                dist.irecv(nk, left, group=group),
+                dist.irecv(nv, left, group=group),
+            ]
         if src == rank:
             rows, keys, causal = slice(0, length), slice(0, length), True
         elif src < rank:
@@ -124,15 +132,25 @@ def ring_attention_backward(dout, q, k, v, out, lse, group=None):
         else:
             rows, keys, causal = slice(c, length), slice(0, length), False
         gq, gk, gv = block_attention_backward(
-            dout[..., rows, :], q[..., rows, :], k[..., keys, :], v[..., keys, :], out[..., rows, :], lse[..., rows], causal
+            dout[..., rows, :],
+            q[..., rows, :],
+            k[..., keys, :],
+            v[..., keys, :],
+            out[..., rows, :],
+            lse[..., rows],
+            causal,
         )
         dq[..., rows, :] += gq
         dk[..., keys, :] += gk
         dv[..., keys, :] += gv
         if n > 1:  # pass this block's gradient on; receive the next block's (after the last hop: mine)
             rk, rv = torch.empty_like(dk), torch.empty_like(dv)
-            grads = [dist.isend(dk, right, group=group, tag=1), dist.isend(dv, right, group=group, tag=1),
-                     dist.irecv(rk, left, group=group, tag=1), dist.irecv(rv, left, group=group, tag=1)]
+            grads = [
+                dist.isend(dk, right, group=group, tag=1),
+                dist.isend(dv, right, group=group, tag=1),
+                dist.irecv(rk, left, group=group, tag=1),
+                dist.irecv(rv, left, group=group, tag=1),
+            ]
             for w in grads:
                 w.wait()
             dk, dv = rk, rv
@@ -195,8 +213,10 @@ def ulysses_attention(q, k, v, group=None):
     # BEGIN SOLUTION Task 4: Ulysses attention
     n = dist.get_world_size(group)
     if q.shape[1] % n or k.shape[1] % n:
-        raise ValueError(f"Ulysses needs the degree {n} to divide the {q.shape[1]} query heads and the "
-                         f"{k.shape[1]} key/value heads: each rank attends with whole heads")
+        raise ValueError(
+            f"Ulysses needs the degree {n} to divide the {q.shape[1]} query heads and the "
+            f"{k.shape[1]} key/value heads: each rank attends with whole heads"
+        )
     qh, kh, vh = (seq_to_heads(t, group) for t in (q, k, v))
     out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
     return heads_to_seq(out, group)
@@ -222,4 +242,6 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         return _all_to_all(dy.contiguous(), ctx.dims[1], ctx.dims[0], ctx.group), None, None, None
+
+
 # END SOLUTION

@@ -71,14 +71,18 @@ def _all_reduce(lab_dir: Path, shape, integer: bool, transpose: bool = False):
 def _check_equal(results, name: str, exact: bool) -> None:
     for rank, (mine, expected, *_rest) in enumerate(results):
         assert mine is not None, f"{name} returned None on rank {rank}: return the result tensor"
-        assert mine.shape == expected.shape, f"{name}: rank {rank} returned shape {tuple(mine.shape)}, expected {tuple(expected.shape)}"
+        assert mine.shape == expected.shape, (
+            f"{name}: rank {rank} returned shape {tuple(mine.shape)}, expected {tuple(expected.shape)}"
+        )
         if exact:
             assert torch.equal(mine, expected), (
                 f"{name} differs from torch.distributed on rank {rank} with integer-valued data (exact in any "
                 "summation order): check which chunk you send and receive at each step"
             )
         else:
-            assert torch.allclose(mine, expected, atol=1e-5, rtol=1e-5), f"{name} differs from torch.distributed on rank {rank} beyond 1e-5"
+            assert torch.allclose(mine, expected, atol=1e-5, rtol=1e-5), (
+                f"{name} differs from torch.distributed on rank {rank} beyond 1e-5"
+            )
 
 
 def _check_p2p_only(results, name: str) -> None:
@@ -100,7 +104,9 @@ def check_reduce_scatter(lab_dir: Path) -> None:
     for world in WORLDS:
         for numel in (8 * world, 8 * world + 3):  # divisible, and not
             results = launch(_reduce_scatter, world, lab_dir, numel, True, timeout=30)
-            _check_equal([(r[0], r[1]) for r in results], f"ring_reduce_scatter (N={world}, {numel} elements)", exact=True)
+            _check_equal(
+                [(r[0], r[1]) for r in results], f"ring_reduce_scatter (N={world}, {numel} elements)", exact=True
+            )
             _check_p2p_only(results, "ring_reduce_scatter")
 
 
@@ -109,7 +115,9 @@ def check_reduce_scatter_bytes(lab_dir: Path) -> None:
         results = launch(_reduce_scatter, world, lab_dir, 1024 * world, False, timeout=30)
         for rank, (_, _, sent, _, s) in enumerate(results):
             want = (world - 1) * s // world
-            assert sent == want, f"ring_reduce_scatter at N={world}: rank {rank} sent {sent} bytes, the ring sends (N-1)/N·S = {want}"
+            assert sent == want, (
+                f"ring_reduce_scatter at N={world}: rank {rank} sent {sent} bytes, the ring sends (N-1)/N·S = {want}"
+            )
 
 
 def check_all_gather(lab_dir: Path) -> None:
@@ -125,7 +133,9 @@ def check_all_gather_bytes(lab_dir: Path) -> None:
         results = launch(_all_gather, world, lab_dir, 1024, False, timeout=30)
         for rank, (_, _, sent, _, s) in enumerate(results):
             want = (world - 1) * s // world
-            assert sent == want, f"ring_all_gather at N={world}: rank {rank} sent {sent} bytes, the ring sends (N-1)/N·S = {want}"
+            assert sent == want, (
+                f"ring_all_gather at N={world}: rank {rank} sent {sent} bytes, the ring sends (N-1)/N·S = {want}"
+            )
 
 
 def check_all_reduce(lab_dir: Path) -> None:
@@ -145,7 +155,9 @@ def check_all_reduce_bytes(lab_dir: Path) -> None:
         for rank, r in enumerate(results):
             sent, s = r[3], r[5]
             want = 2 * (world - 1) * s // world
-            assert sent == want, f"ring_all_reduce at N={world}: rank {rank} sent {sent} bytes, the ring sends 2(N-1)/N·S = {want}"
+            assert sent == want, (
+                f"ring_all_reduce at N={world}: rank {rank} sent {sent} bytes, the ring sends 2(N-1)/N·S = {want}"
+            )
 
 
 TASKS = [

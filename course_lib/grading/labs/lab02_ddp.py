@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from course_lib.model import config as configs
 from course_lib import data
 from course_lib.dist import counter, launch, trace
 from course_lib.grading.grade import Task, load
+from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer, next_token_loss
 
 CAP_MB = 0.05  # the tiny model's 417 KiB of gradients -> 5 buckets
@@ -90,7 +90,7 @@ def _against_torch(lab_dir: Path, steps: int, accumulate: bool):
     batches = _batches(2 * steps)
     diffs = []
     for step in range(steps):
-        micro = batches[2 * step:2 * step + 2] if accumulate else [batches[step]]
+        micro = batches[2 * step : 2 * step + 2] if accumulate else [batches[step]]
         for model, opt in zip((mine, ref), opts):
             opt.zero_grad(set_to_none=True)
             if accumulate:
@@ -165,7 +165,9 @@ def check_plan_rule(lab_dir: Path) -> None:
 
 def check_bucket_order(lab_dir: Path) -> None:
     mine, theirs = launch(_torch_buckets, 2, lab_dir, timeout=60)[0]
-    assert len(mine) == len(theirs), f"the tiny model at {CAP_MB} MiB should have {len(theirs)} buckets, yours has {len(mine)}"
+    assert len(mine) == len(theirs), (
+        f"the tiny model at {CAP_MB} MiB should have {len(theirs)} buckets, yours has {len(mine)}"
+    )
     assert mine == theirs, f"bucket contents/order differ from torch DDP's: yours start {mine[0]}, torch's {theirs[0]}"
 
 

@@ -17,12 +17,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from course_lib.model import config as configs
-from course_lib.dist import counter, launch
-from course_lib.grading.grade import Task, load
-from course_lib.dist.census import held_bytes
 from course_lib.cost.comm import ring_wire_bytes, zero_comm_bytes
 from course_lib.cost.memory import zero_model_state_bytes
+from course_lib.dist import counter, launch
+from course_lib.dist.census import held_bytes
+from course_lib.grading.grade import Task, load
+from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer, next_token_loss
 
 LR, WD, STEPS = 3e-3, 0.1, 5
@@ -84,7 +84,7 @@ def _counts(lab_dir, stage):
     model = _model("tiny")
     zero = sub.ZeroAdamW(model, stage, lr=LR)
     units = zero.units
-    live = lambda: [i for i, u in enumerate(units) if u.full.untyped_storage().nbytes() > 0]  # noqa: E731
+    live = lambda: [i for i, u in enumerate(units) if u.full.untyped_storage().nbytes() > 0]
     seen = []
     for i, u in enumerate(units):
         u.module.register_forward_pre_hook(lambda *_, i=i: seen.append((i, live())))
@@ -109,10 +109,14 @@ def check_padding(lab_dir: Path) -> None:
     sub = load(lab_dir, "zero")
     for numel, n, want in ((10, 4, 12), (12, 4, 12), (1, 4, 4), (7, 1, 7)):
         got = sub.padded_size(numel, n)
-        assert got == want, f"padded_size({numel}, {n}) = {got}: the smallest multiple of {n} that holds {numel} is {want}"
+        assert got == want, (
+            f"padded_size({numel}, {n}) = {got}: the smallest multiple of {n} that holds {numel} is {want}"
+        )
     flat = torch.arange(12.0)
     piece = sub.shard_of(flat, 2, 4)
-    assert torch.equal(piece, torch.tensor([6.0, 7.0, 8.0])), f"shard_of(arange(12), 2, 4) = {piece.tolist()}, expected [6, 7, 8]"
+    assert torch.equal(piece, torch.tensor([6.0, 7.0, 8.0])), (
+        f"shard_of(arange(12), 2, 4) = {piece.tolist()}, expected [6, 7, 8]"
+    )
     assert piece.data_ptr() == flat.data_ptr() + 6 * 4, "shard_of must return a view of the flat buffer, not a copy"
 
 
@@ -122,7 +126,8 @@ def _check_parity(lab_dir: Path, stage: int) -> None:
             assert not differ, (
                 f"ZeRO-{stage}: after {STEPS} steps rank {rank}'s parameters {differ[:3]} differ from torch DDP + AdamW "
                 f"(model {kind!r}{', sizes 2 does not divide' if kind == 'odd' else ''}): check the 1/N average, which "
-                "slice each rank updates, and the all-gather")
+                "slice each rank updates, and the all-gather"
+            )
 
 
 def _check_bytes(lab_dir: Path, stage: int) -> None:
@@ -132,26 +137,35 @@ def _check_bytes(lab_dir: Path, stage: int) -> None:
         assert abs(held - want) <= 0.05 * want, (
             f"ZeRO-{stage} at 4 ranks: rank {rank} holds {held} bytes of parameters, gradients and Adam state; the "
             f"formula says {want:.0f} (fp32: 4Ψ params, 4Ψ grads, 8Ψ moments, sharded by stage): look for a full "
-            "buffer that this stage should shard, or a .grad left behind")
+            "buffer that this stage should shard, or a .grad left behind"
+        )
 
 
 def check_stage2_during_backward(lab_dir: Path) -> None:
     before, _, held, _, n_units, _ = launch(_counts, 2, lab_dir, 2, timeout=60)[0]
     calls = sum(v["calls"] for k, v in before.items() if k.startswith("reduce_scatter"))
-    assert calls == n_units, (f"ZeRO-2 should reduce-scatter each of the {n_units} units during backward, as soon as "
-                              f"its gradients are complete; counted {calls} reduce-scatters before step()")
+    assert calls == n_units, (
+        f"ZeRO-2 should reduce-scatter each of the {n_units} units during backward, as soon as "
+        f"its gradients are complete; counted {calls} reduce-scatters before step()"
+    )
     assert not held, f"ZeRO-2 keeps only the gradient shard: set p.grad = None after copying; still held: {held[:3]}"
 
 
 def check_stage3_comm(lab_dir: Path) -> None:
     _, counts, _, seen, n_units, psi = launch(_counts, 2, lab_dir, 3, timeout=60)[0]
     for unit, live in seen:
-        assert live == [unit], (f"ZeRO-3: while unit {unit} runs its forward, only it should be gathered; gathered "
-                                f"were units {live}: free after forward")
+        assert live == [unit], (
+            f"ZeRO-3: while unit {unit} runs its forward, only it should be gathered; gathered "
+            f"were units {live}: free after forward"
+        )
     gathers = sum(v["calls"] for k, v in counts.items() if k.startswith("all_gather"))
-    assert gathers == 2 * n_units, f"ZeRO-3 all-gathers each of the {n_units} units twice per step (forward, backward); counted {gathers}"
+    assert gathers == 2 * n_units, (
+        f"ZeRO-3 all-gathers each of the {n_units} units twice per step (forward, backward); counted {gathers}"
+    )
     moved, want = ring_wire_bytes(counts, 2), zero_comm_bytes(psi, 2, 3, bytes_per_element=4)
-    assert abs(moved - want) <= 0.05 * want, f"ZeRO-3 moved {moved:.0f} bytes per rank per step; 3(N-1)/N·Ψ·4 = {want:.0f}"
+    assert abs(moved - want) <= 0.05 * want, (
+        f"ZeRO-3 moved {moved:.0f} bytes per rank per step; 3(N-1)/N·Ψ·4 = {want:.0f}"
+    )
 
 
 TASKS = [

@@ -20,8 +20,16 @@ from course_lib.grading.grade import Task, load
 
 WORLDS = (2, 4)
 RTOL = 1e-5
-NAMES = ("CopyToParallelRegion", "ReduceFromParallelRegion", "ColumnParallelLinear", "RowParallelLinear",
-         "ParallelMLP", "DenseMLP", "VocabParallelEmbedding", "vocab_parallel_cross_entropy")
+NAMES = (
+    "CopyToParallelRegion",
+    "ReduceFromParallelRegion",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "ParallelMLP",
+    "DenseMLP",
+    "VocabParallelEmbedding",
+    "vocab_parallel_cross_entropy",
+)
 
 
 def _rel(got, want) -> float:
@@ -109,9 +117,12 @@ def _mlp(lab_dir, seed):
     _shape_ok(y, x, "ParallelMLP's output")
     with counter.count() as bwd:
         (y * dy).sum().backward()
-    diffs = {"output": _rel(y, dense(x)), "input gradient": _rel(xp.grad, x.grad),
-             "fc1 weight gradient": _rel(mlp.fc1.weight.grad, _slice(dense.fc1.weight.grad, 0)),
-             "fc2 weight gradient": _rel(mlp.fc2.weight.grad, _slice(dense.fc2.weight.grad, 1))}
+    diffs = {
+        "output": _rel(y, dense(x)),
+        "input gradient": _rel(xp.grad, x.grad),
+        "fc1 weight gradient": _rel(mlp.fc1.weight.grad, _slice(dense.fc1.weight.grad, 0)),
+        "fc2 weight gradient": _rel(mlp.fc2.weight.grad, _slice(dense.fc2.weight.grad, 1)),
+    }
     return diffs, fwd.as_dict(), bwd.as_dict(), x.numel() * x.element_size()
 
 
@@ -144,8 +155,14 @@ def _cross_entropy(lab_dir, seed):
     with counter.count() as bwd:
         (got * 3.0).backward()  # an upstream gradient other than 1 must be applied
     assert local.grad is not None, "vocab_parallel_cross_entropy produced no gradient for the logits"
-    return (got.item(), want.item(), _rel(local.grad, _slice(logits.grad, -1) * 3.0),
-            {k: v for k, v in fwd.as_dict().items()}, bwd.as_dict(), targets.numel())
+    return (
+        got.item(),
+        want.item(),
+        _rel(local.grad, _slice(logits.grad, -1) * 3.0),
+        {k: v for k, v in fwd.as_dict().items()},
+        bwd.as_dict(),
+        targets.numel(),
+    )
 
 
 # -------------------------------------------------------------------------------------- checks
@@ -163,11 +180,14 @@ def check_f_and_g(lab_dir: Path) -> None:
         for r, (y, xg, z, x2g, x2, calls) in enumerate(launch(_f_and_g, world, lab_dir, timeout=30)):
             assert torch.equal(y, torch.full((4,), r + 1.0)), f"f must be the identity forward (rank {r}, t={world})"
             assert xg is not None and torch.equal(xg, torch.full((4,), total)), (
-                f"f's backward must all-reduce (sum) the gradient: rank {r} of {world} got {xg}, expected {total}")
+                f"f's backward must all-reduce (sum) the gradient: rank {r} of {world} got {xg}, expected {total}"
+            )
             assert torch.equal(z, torch.full((4,), total)), f"g must all-reduce (sum) forward: rank {r} got {z}"
             assert torch.equal(x2, torch.full((4,), r + 1.0)), "g must not modify its input in place: reduce a copy"
             assert x2g is not None and torch.equal(x2g, torch.full((4,), r + 1.0)), "g's backward must be the identity"
-            assert calls == [0, 1, 1, 0], f"collectives in f fwd, f bwd, g fwd, g bwd should be [0, 1, 1, 0], got {calls}"
+            assert calls == [0, 1, 1, 0], (
+                f"collectives in f fwd, f bwd, g fwd, g bwd should be [0, 1, 1, 0], got {calls}"
+            )
 
 
 def check_linears(lab_dir: Path) -> None:
@@ -195,26 +215,35 @@ def check_mlp_collectives(lab_dir: Path) -> None:
 def check_embedding(lab_dir: Path) -> None:
     for world in WORLDS:
         for r, (same, fwd_calls, bwd_calls) in enumerate(launch(_embedding, world, lab_dir, 2, timeout=30)):
-            assert same, (f"t={world}, rank {r}: the vocab-parallel embedding and its weight gradient must equal "
-                          "nn.Embedding's exactly: zero the rows of tokens you do not own, then sum with g")
+            assert same, (
+                f"t={world}, rank {r}: the vocab-parallel embedding and its weight gradient must equal "
+                "nn.Embedding's exactly: zero the rows of tokens you do not own, then sum with g"
+            )
             assert (fwd_calls, bwd_calls) == (1, 0), (
-                f"the embedding needs one all-reduce forward and none backward, counted {fwd_calls} and {bwd_calls}")
+                f"the embedding needs one all-reduce forward and none backward, counted {fwd_calls} and {bwd_calls}"
+            )
 
 
 def check_cross_entropy(lab_dir: Path) -> None:
     for world in WORLDS:
         for r, (got, want, grad_diff, _, _, _) in enumerate(launch(_cross_entropy, world, lab_dir, 3, timeout=30)):
-            assert abs(got - want) <= 1e-5 * abs(want), f"t={world}, rank {r}: loss {got} should equal F.cross_entropy {want}"
-            assert grad_diff <= RTOL, (f"t={world}, rank {r}: the logits' gradient differs by {grad_diff:.1e}: "
-                                       "softmax minus one-hot on your columns, times the incoming gradient")
+            assert abs(got - want) <= 1e-5 * abs(want), (
+                f"t={world}, rank {r}: loss {got} should equal F.cross_entropy {want}"
+            )
+            assert grad_diff <= RTOL, (
+                f"t={world}, rank {r}: the logits' gradient differs by {grad_diff:.1e}: "
+                "softmax minus one-hot on your columns, times the incoming gradient"
+            )
 
 
 def check_cross_entropy_collectives(lab_dir: Path) -> None:
     for world in WORLDS:
         _, _, _, fwd, bwd, n_tokens = launch(_cross_entropy, world, lab_dir, 3, timeout=30)[0]
         want = {"all_reduce@world": {"calls": 3, "bytes": 3 * n_tokens * 4}}
-        assert fwd == want, (f"the cross-entropy needs exactly 3 all-reduces of one float per token (max, target "
-                             f"logit, sum of exponentials), counted {fwd}")
+        assert fwd == want, (
+            f"the cross-entropy needs exactly 3 all-reduces of one float per token (max, target "
+            f"logit, sum of exponentials), counted {fwd}"
+        )
         assert bwd == {}, f"the cross-entropy backward needs no communication, counted {bwd}"
 
 

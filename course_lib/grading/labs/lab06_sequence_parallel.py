@@ -32,6 +32,7 @@ def adapter(lab_dir: Path) -> Adapter:
     """The learner's functions, from ``sequence_parallel.py``."""
     return Adapter.of_file(Path(lab_dir) / "sequence_parallel.py", ROLES)
 
+
 WORLDS = (2, 4)
 B, H, HKV, D = 2, 4, 2, 8
 EPS = torch.finfo(torch.float32).eps  # 2^-23 ≈ 1.19e-7
@@ -52,6 +53,8 @@ def merge_tolerance(logits: torch.Tensor) -> float:
     wrong merge errs by the size of the values themselves, O(1).
     """
     return 8 * EPS * max(1.0, logits.abs().max().item())
+
+
 P2P = {"isend", "irecv", "send", "recv"}
 
 
@@ -105,7 +108,9 @@ def _check_close(results, indices, what, unshard_fn, reference, exact=False):
         for rank, r in enumerate(results):
             assert r[i] is not None, f"{what}: rank {rank} has no {names[i]} (did the forward/backward return it?)"
         got, want = unshard_fn([r[i] for r in results]), reference[i]
-        assert got.shape == want.shape, f"{what}: the gathered {names[i]} has shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+        assert got.shape == want.shape, (
+            f"{what}: the gathered {names[i]} has shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+        )
         ok = torch.equal(got, want) if exact else torch.allclose(got, want, **TOL)
         assert ok, (
             f"{what}: the {names[i]} differs from full causal attention by {(got - want).abs().max().item():.2e} "
@@ -118,8 +123,15 @@ def _check_close(results, indices, what, unshard_fn, reference, exact=False):
 
 def check_setup(impl: Adapter) -> None:
     module = impl.module("merge_partials")
-    for fn in ("merge_partials", "ring_attention_forward", "ring_attention_backward", "ring_attention",
-               "seq_to_heads", "heads_to_seq", "ulysses_attention"):
+    for fn in (
+        "merge_partials",
+        "ring_attention_forward",
+        "ring_attention_backward",
+        "ring_attention",
+        "seq_to_heads",
+        "heads_to_seq",
+        "ulysses_attention",
+    ):
         assert callable(getattr(module, fn, None)), f"sequence_parallel.py must define {fn}()"
 
 
@@ -131,14 +143,18 @@ def check_merge(impl: Adapter) -> None:
         a = block_attention(q * scale, k[..., :7, :], v[..., :7, :], causal=False)
         b = block_attention(q * scale, k[..., 7:, :], v[..., 7:, :], causal=False)
         out, lse = impl["merge_partials"](*a, *b)
-        assert torch.isfinite(out).all(), f"merge_partials overflowed with logits ~{scale:g}: use lse differences, not e^lse"
+        assert torch.isfinite(out).all(), (
+            f"merge_partials overflowed with logits ~{scale:g}: use lse differences, not e^lse"
+        )
         assert torch.allclose(out, whole, atol=tol, rtol=tol) and torch.allclose(lse, whole_lse, atol=tol, rtol=tol), (
             f"merge_partials of two key halves must equal attention over all keys (out and lse) within {tol:.1e}"
         )
     out, lse = block_attention(q, k, v, causal=False)
     empty = (torch.zeros_like(out), torch.full_like(lse, float("-inf")))
     merged = impl["merge_partials"](*empty, out, lse)
-    assert torch.equal(merged[0], out) and torch.equal(merged[1], lse), "merging into an empty row (lse = -inf) must be exact"
+    assert torch.equal(merged[0], out) and torch.equal(merged[1], lse), (
+        "merging into an empty row (lse = -inf) must be exact"
+    )
 
 
 def check_ring_forward(impl: Adapter) -> None:
@@ -147,7 +163,9 @@ def check_ring_forward(impl: Adapter) -> None:
         results = launch(_ring_rank, world, impl, s, False, timeout=30)
         _check_close(results, [0], f"ring forward (N={world})", unshard, _reference(s))
         for rank, r in enumerate(results):
-            assert r[6] <= P2P, f"ring forward on rank {rank} called {sorted(r[6] - P2P)}: pass K/V with isend/irecv only"
+            assert r[6] <= P2P, (
+                f"ring forward on rank {rank} called {sorted(r[6] - P2P)}: pass K/V with isend/irecv only"
+            )
 
 
 def check_ring_forward_bytes(impl: Adapter) -> None:
@@ -207,10 +225,19 @@ def check_ulysses(impl: Adapter) -> None:
         s, h, hkv = 8 * world, 8, 4
         results = launch(_ulysses_rank, world, impl, s, h, hkv, timeout=30)
         exact = all(r[7] == "cpu" for r in results)  # GPU backward kernels may add in any order
-        _check_close(results, [0, 1, 2, 3], f"Ulysses (N={world})", lambda xs: torch.cat(xs, dim=-2), _reference(s, h, hkv), exact)
+        _check_close(
+            results,
+            [0, 1, 2, 3],
+            f"Ulysses (N={world})",
+            lambda xs: torch.cat(xs, dim=-2),
+            _reference(s, h, hkv),
+            exact,
+        )
         want = ulysses_comm_bytes(B, s, h, hkv, D, world)
         for rank, r in enumerate(results):
-            assert r[6] == {"all_to_all_single"}, f"Ulysses on rank {rank} used {sorted(r[6])}: one all_to_all_single per tensor"
+            assert r[6] == {"all_to_all_single"}, (
+                f"Ulysses on rank {rank} used {sorted(r[6])}: one all_to_all_single per tensor"
+            )
             assert (r[4], r[5]) == (8, 2 * want["payload_per_rank"]), (
                 f"Ulysses at N={world}, rank {rank}: {r[4]} all-to-alls of {r[5]} bytes; expected 4 forward + 4 backward "
                 f"carrying 2 x {want['payload_per_rank']} bytes"

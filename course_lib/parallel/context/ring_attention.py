@@ -228,11 +228,11 @@ class RingAttention(torch.autograd.Function):
             plan = step_plan(ring.rank, src, ring.size, length, layout)
             if plan is not None:
                 qs, m, ks, n, causal = plan
-                mine, theirs = (lambda t: t.narrow(-2, qs, m)), (lambda t: t.narrow(-2, ks, n))
-                o, l = block_attention(mine(q), theirs(kv[0]), theirs(kv[1]), causal)
-                o, l = merge_partials(mine(out), lse.narrow(-1, qs, m), o, l)
+                mine, theirs = (lambda t, qs=qs, m=m: t.narrow(-2, qs, m)), (lambda t, ks=ks, n=n: t.narrow(-2, ks, n))
+                o, block_lse = block_attention(mine(q), theirs(kv[0]), theirs(kv[1]), causal)
+                o, block_lse = merge_partials(mine(out), lse.narrow(-1, qs, m), o, block_lse)
                 mine(out).copy_(o)
-                lse.narrow(-1, qs, m).copy_(l)
+                lse.narrow(-1, qs, m).copy_(block_lse)
             _count(stats, plan, length // 2 if length % 2 == 0 else 0)
             if pending is not None:
                 kv = pending()
@@ -253,7 +253,7 @@ class RingAttention(torch.autograd.Function):
             plan = step_plan(ring.rank, src, ring.size, length, ctx.layout)
             if plan is not None:
                 qs, m, ks, n, causal = plan
-                mine, theirs = (lambda t: t.narrow(-2, qs, m)), (lambda t: t.narrow(-2, ks, n))
+                mine, theirs = (lambda t, qs=qs, m=m: t.narrow(-2, qs, m)), (lambda t, ks=ks, n=n: t.narrow(-2, ks, n))
                 gq, gk, gv = block_attention_backward(
                     mine(dout), mine(q), theirs(kv[0]), theirs(kv[1]), mine(out), lse.narrow(-1, qs, m), causal
                 )
@@ -288,5 +288,3 @@ def ring_attention(q, k, v, group=None, layout: str = "zigzag", stats: dict | No
 
 
 # ----------------------------------------------------------------------------- cost models
-
-

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from course_lib.cost.comm import check_ulysses_divisible
-import torch.nn.functional as F
 
 
 def split(x: torch.Tensor, rank: int, world: int, dim: int = -2) -> torch.Tensor:
@@ -87,5 +87,3 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=N
     qh, kh, vh = (seq_to_heads(t, group) for t in (q, k, v))
     out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=kh.shape[1] != qh.shape[1])
     return heads_to_seq(out, group)
-
-

@@ -78,7 +78,7 @@ def split_batch(global_batch: torch.Tensor, rank: int, world_size: int) -> torch
             f"{world_size}, e.g. {n - n % world_size} or {n + world_size - n % world_size}"
         )
     per_rank = n // world_size
-    return global_batch[rank * per_rank:(rank + 1) * per_rank]
+    return global_batch[rank * per_rank : (rank + 1) * per_rank]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -161,8 +161,10 @@ class DistributedDataParallel(nn.Module):
             raise ValueError("the module has no parameters that require gradients: nothing to synchronise")
         kinds = {(p.dtype, p.device) for _, p in named}
         if len(kinds) > 1:
-            raise ValueError(f"parameters have several dtypes/devices {sorted(map(str, kinds))}: this DDP keeps "
-                             "one flat buffer per bucket, so cast the module to one dtype and device first")
+            raise ValueError(
+                f"parameters have several dtypes/devices {sorted(map(str, kinds))}: this DDP keeps "
+                "one flat buffer per bucket, so cast the module to one dtype and device first"
+            )
 
         self._broadcast_from_rank0()
         self.buckets = self._build_buckets(named[::-1])  # reverse registration order: output layer first
@@ -189,7 +191,7 @@ class DistributedDataParallel(nn.Module):
             buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
             views, offset = [], 0
             for p in params:
-                views.append(buffer[offset:offset + p.numel()].view_as(p))
+                views.append(buffer[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
             buckets.append(Bucket(index, params, [named[i][0] for i in members], buffer, views, pending=len(params)))
         return buckets
@@ -211,9 +213,11 @@ class DistributedDataParallel(nn.Module):
             self._syncing = True
         bucket, i = self._slot[id(param)]
         if id(param) in bucket.ready:
-            raise RuntimeError(f"{bucket.names[i]} received its gradient twice in one "
-                               "backward (a parameter reused across reentrant backward passes?); this DDP "
-                               "expects one gradient per parameter per backward")
+            raise RuntimeError(
+                f"{bucket.names[i]} received its gradient twice in one "
+                "backward (a parameter reused across reentrant backward passes?); this DDP "
+                "expects one gradient per parameter per backward"
+            )
         bucket.ready.add(id(param))
         # Pre-divide while copying, as torch's Reducer does (g·(1/W), then SUM over ranks).
         torch.mul(param.grad, 1.0 / self.world_size, out=bucket.views[i])
@@ -312,5 +316,3 @@ def _annotate_comm_span(bucket: Bucket) -> None:
 # ----------------------------------------------------------------------------------------------
 # One traced step, for lecture 02's timeline
 # ----------------------------------------------------------------------------------------------
-
-

@@ -44,10 +44,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from course_lib.dist import device as compute_device
-from course_lib.optim.optimizers import adamw_
 from course_lib.cost.memory import STAGES
+from course_lib.dist import device as compute_device
 from course_lib.dist.census import held_bytes
+from course_lib.optim.optimizers import adamw_
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -56,8 +56,10 @@ def units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The model's units: its children, with ModuleList/Sequential entries as units of their own."""
     direct = [n for n, _ in model.named_parameters(recurse=False)]
     if direct:
-        raise ValueError(f"parameters {direct} are registered on the root module; ZeRO shards per child "
-                         "module (unit): move them into a submodule")
+        raise ValueError(
+            f"parameters {direct} are registered on the root module; ZeRO shards per child "
+            "module (unit): move them into a submodule"
+        )
     found = []
     for name, child in model.named_children():
         if isinstance(child, (nn.ModuleList, nn.Sequential)):
@@ -69,8 +71,10 @@ def units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     for name, module in found:
         for p in module.parameters():
             if id(p) in owner:
-                raise ValueError(f"a parameter is shared by units {owner[id(p)]!r} and {name!r} (tied weights); "
-                                 "ZeRO shards each unit on its own: untie them or group both modules in one unit")
+                raise ValueError(
+                    f"a parameter is shared by units {owner[id(p)]!r} and {name!r} (tied weights); "
+                    "ZeRO shards each unit on its own: untie them or group both modules in one unit"
+                )
             owner[id(p)] = name
     if not found:
         raise ValueError("the model has no parameters to shard")
@@ -96,7 +100,7 @@ class _Unit:
         """(parameter, its slice of ``flat`` shaped like it) for each parameter of the unit."""
         out, at = [], 0
         for p in self.params:
-            out.append((p, flat[at:at + p.numel()].view_as(p)))
+            out.append((p, flat[at : at + p.numel()].view_as(p)))
             at += p.numel()
         return out
 
@@ -104,19 +108,36 @@ class _Unit:
 class Zero:
     """ZeRO stage 0-3 data parallelism with AdamW for ``model`` over the ranks of ``group``."""
 
-    def __init__(self, model: nn.Module, stage: int, *, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, precision: str = "fp32", offload: bool = False, group=None):
+    def __init__(
+        self,
+        model: nn.Module,
+        stage: int,
+        *,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        precision: str = "fp32",
+        offload: bool = False,
+        group=None,
+    ):
         if not isinstance(stage, int) or stage not in STAGES:
-            raise ValueError(f"ZeRO stage {stage!r} does not exist: choose 0 (plain data parallel), 1 (shard the "
-                             "optimizer state), 2 (also the gradients) or 3 (also the parameters)")
+            raise ValueError(
+                f"ZeRO stage {stage!r} does not exist: choose 0 (plain data parallel), 1 (shard the "
+                "optimizer state), 2 (also the gradients) or 3 (also the parameters)"
+            )
         if precision not in PRECISIONS:
-            raise ValueError(f"precision {precision!r} is not supported: choose 'fp32', or 'bf16' for bf16 "
-                             "parameters and gradients with fp32 master weights and moments")
+            raise ValueError(
+                f"precision {precision!r} is not supported: choose 'fp32', or 'bf16' for bf16 "
+                "parameters and gradients with fp32 master weights and moments"
+            )
         if not lr >= 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1 or not eps > 0:
             raise ValueError(f"AdamW needs lr >= 0, 0 <= betas < 1 and eps > 0; got lr={lr}, betas={betas}, eps={eps}")
         if not dist.is_initialized():
-            raise RuntimeError("Zero needs torch.distributed initialised: run under course_lib.dist.launch, "
-                               "accelerate launch or torchrun")
+            raise RuntimeError(
+                "Zero needs torch.distributed initialised: run under course_lib.dist.launch, "
+                "accelerate launch or torchrun"
+            )
         self.model, self.stage, self.group = model, stage, group
         self.lr, (self.beta1, self.beta2), self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -168,13 +189,13 @@ class Zero:
 
     @staticmethod
     def _slice(shard_tensor: torch.Tensor, u: _Unit) -> torch.Tensor:
-        return shard_tensor[u.offset:u.offset + u.shard]
+        return shard_tensor[u.offset : u.offset + u.shard]
 
     def _my_params(self, u: _Unit) -> torch.Tensor:
         """This rank's slice of the unit's compute-precision parameters."""
         if self.stage == 3:
             return self._slice(self.param_shard, u)
-        return u.full[self.me * u.shard:(self.me + 1) * u.shard]
+        return u.full[self.me * u.shard : (self.me + 1) * u.shard]
 
     # ------------------------------------------------------------------------------ stage 3
     def _gather(self, u: _Unit) -> None:
@@ -227,8 +248,18 @@ class Zero:
             mine = self._my_params(u)
             target = self._slice(self.master, u) if self.master is not None else mine
             grad = grads[u.name].to(self.optimizer_device, torch.float32)  # fp32 path: no copy
-            adamw_(target, grad, self._slice(self.exp_avg, u), self._slice(self.exp_avg_sq, u), self.step_count,
-                   self.lr, self.beta1, self.beta2, self.eps, self.weight_decay)
+            adamw_(
+                target,
+                grad,
+                self._slice(self.exp_avg, u),
+                self._slice(self.exp_avg_sq, u),
+                self.step_count,
+                self.lr,
+                self.beta1,
+                self.beta2,
+                self.eps,
+                self.weight_decay,
+            )
             if self.master is not None:
                 mine.copy_(target)  # round to bf16 / move back from the offload device
             if self.stage in (1, 2):  # in place: this rank's slice of u.full is the input
@@ -241,15 +272,19 @@ class Zero:
             if self.stage >= 2:
                 if u.pending != len(u.params) or not u.reduced:
                     got = len(u.params) - u.pending if u.pending != len(u.params) else 0
-                    raise RuntimeError(f"unit {u.name!r} received gradients for {got} of its {len(u.params)} parameters: "
-                                       "ZeRO-2/3 reduce-scatter a unit when all its gradients are in, so every "
-                                       "parameter must be used in the forward pass")
+                    raise RuntimeError(
+                        f"unit {u.name!r} received gradients for {got} of its {len(u.params)} parameters: "
+                        "ZeRO-2/3 reduce-scatter a unit when all its gradients are in, so every "
+                        "parameter must be used in the forward pass"
+                    )
                 u.reduced = False
                 grads[u.name] = self._slice(self.grad_shard, u)
                 continue
             if any(p.grad is None or p.grad.data_ptr() != v.data_ptr() for p, v in u.views(u.grad_full)):
-                raise RuntimeError(f"the gradients of unit {u.name!r} are no longer views of ZeRO's gradient "
-                                   "buffer: call zero.zero_grad(), not model.zero_grad() or optimizer.zero_grad()")
+                raise RuntimeError(
+                    f"the gradients of unit {u.name!r} are no longer views of ZeRO's gradient "
+                    "buffer: call zero.zero_grad(), not model.zero_grad() or optimizer.zero_grad()"
+                )
             u.grad_full.mul_(1 / self.n)
             if self.stage == 0:
                 dist.all_reduce(u.grad_full, group=self.group)
@@ -298,5 +333,9 @@ class Zero:
         params = [p.data for p in self.model.parameters()] + [self.param_shard]
         grads = [p.grad for p in self.model.parameters()] + [u.grad_full for u in self.units] + [self.grad_shard]
         optim = [self.master, self.exp_avg, self.exp_avg_sq]
-        return {"params": held_bytes(params), "grads": held_bytes(grads), "optimizer": held_bytes(optim),
-                "total": held_bytes(self)}
+        return {
+            "params": held_bytes(params),
+            "grads": held_bytes(grads),
+            "optimizer": held_bytes(optim),
+            "total": held_bytes(self),
+        }

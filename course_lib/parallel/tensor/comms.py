@@ -30,8 +30,10 @@ def check_divisible(what: str, n: int, tp: int, fix: str) -> None:
     """Every split in TP must be even: a clear error naming the constraint and a way out."""
     if n % tp:
         divisors = [d for d in range(1, n + 1) if n % d == 0]
-        raise ValueError(f"tensor parallel size {tp} does not divide {n} {what}: choose a tensor parallel size "
-                         f"among {divisors}, or {fix}")
+        raise ValueError(
+            f"tensor parallel size {tp} does not divide {n} {what}: choose a tensor parallel size "
+            f"among {divisors}, or {fix}"
+        )
 
 
 def tp_group(group_or_mesh):

@@ -50,8 +50,6 @@ from course_lib.parallel.tensor.comms import (
     tp_group,
 )
 
-
-
 # ------------------------------------------------------------------------------------- f and g
 
 
@@ -95,15 +93,19 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         group = tp_group(group)
         t = dist.get_world_size(group)
-        check_divisible(f"output features of a column-parallel linear ({in_features} -> {out_features})",
-                        out_features, t, "choose a layer width that is a multiple of it")
+        check_divisible(
+            f"output features of a column-parallel linear ({in_features} -> {out_features})",
+            out_features,
+            t,
+            "choose a layer width that is a multiple of it",
+        )
         self.in_features, self.out_features = in_features, out_features
         self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = nn.Parameter(torch.empty(out_features // t, in_features))
         self.weight.partition_dim = 0
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, group, sequence_parallel: bool = False) -> "ColumnParallelLinear":
+    def from_dense(cls, linear: nn.Linear, group, sequence_parallel: bool = False) -> ColumnParallelLinear:
         if linear.bias is not None:
             raise ValueError("the course model's linears have no bias; ColumnParallelLinear does not shard one")
         layer = cls(linear.in_features, linear.out_features, group, sequence_parallel)
@@ -124,15 +126,19 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         group = tp_group(group)
         t = dist.get_world_size(group)
-        check_divisible(f"input features of a row-parallel linear ({in_features} -> {out_features})",
-                        in_features, t, "choose a layer width that is a multiple of it")
+        check_divisible(
+            f"input features of a row-parallel linear ({in_features} -> {out_features})",
+            in_features,
+            t,
+            "choose a layer width that is a multiple of it",
+        )
         self.in_features, self.out_features = in_features, out_features
         self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = nn.Parameter(torch.empty(out_features, in_features // t))
         self.weight.partition_dim = 1
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, group, sequence_parallel: bool = False) -> "RowParallelLinear":
+    def from_dense(cls, linear: nn.Linear, group, sequence_parallel: bool = False) -> RowParallelLinear:
         if linear.bias is not None:
             raise ValueError("the course model's linears have no bias; RowParallelLinear does not shard one")
         layer = cls(linear.in_features, linear.out_features, group, sequence_parallel)
@@ -159,8 +165,12 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         group = tp_group(group)
         t, r = dist.get_world_size(group), dist.get_rank(group)
-        check_divisible("vocabulary entries", num_embeddings, t,
-                        "pad the vocabulary to a multiple of it (Megatron pads to a multiple of 128·t)")
+        check_divisible(
+            "vocabulary entries",
+            num_embeddings,
+            t,
+            "pad the vocabulary to a multiple of it (Megatron pads to a multiple of 128·t)",
+        )
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.group, self.sequence_parallel = group, sequence_parallel
         per_rank = num_embeddings // t
@@ -169,7 +179,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.partition_dim = 0
 
     @classmethod
-    def from_dense(cls, emb: nn.Embedding, group, sequence_parallel: bool = False) -> "VocabParallelEmbedding":
+    def from_dense(cls, emb: nn.Embedding, group, sequence_parallel: bool = False) -> VocabParallelEmbedding:
         layer = cls(emb.num_embeddings, emb.embedding_dim, group, sequence_parallel)
         layer.weight = _sharded(emb.weight, 0, layer.group)
         return layer
@@ -233,7 +243,9 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(logits, targets, group, ignore_index: int = -100) -> torch.Tensor:
     """Mean next-token cross-entropy from vocabulary-sharded logits [..., V/t]; = F.cross_entropy on the full logits."""
     if logits.shape[:-1] != targets.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree: expected "
-                         f"targets of shape logits.shape[:-1]")
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree: expected "
+            f"targets of shape logits.shape[:-1]"
+        )
     losses = VocabParallelCrossEntropy.apply(logits, targets, tp_group(group), ignore_index)
     return losses.sum() / (targets != ignore_index).sum().clamp_min(1)

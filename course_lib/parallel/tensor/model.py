@@ -18,9 +18,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from course_lib.model.transformer import apply_rope
-from course_lib.parallel.tensor.sequence import check_sequence_divisible, mark_sequence_parallel, sync_sequence_parallel_grads
-from course_lib.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, column_region, vocab_parallel_cross_entropy
 from course_lib.parallel.tensor.comms import check_divisible, tp_group
+from course_lib.parallel.tensor.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    column_region,
+    vocab_parallel_cross_entropy,
+)
+from course_lib.parallel.tensor.sequence import (
+    check_sequence_divisible,
+    mark_sequence_parallel,
+    sync_sequence_parallel_grads,
+)
 
 
 class TPAttention(nn.Module):
@@ -39,8 +49,12 @@ class TPAttention(nn.Module):
         self.head_dim, self.group, self.sequence_parallel = dense.head_dim, group, sequence_parallel
         n_heads, n_kv_heads = dense.wq.out_features // self.head_dim, dense.wk.out_features // self.head_dim
         check_divisible("attention heads", n_heads, t, "change n_heads: each rank computes whole heads")
-        check_divisible("key/value heads", n_kv_heads, t,
-                        "raise n_kv_heads: each rank needs whole K/V heads for its query heads (GQA)")
+        check_divisible(
+            "key/value heads",
+            n_kv_heads,
+            t,
+            "raise n_kv_heads: each rank needs whole K/V heads for its query heads (GQA)",
+        )
         self.wq = ColumnParallelLinear.from_dense(dense.wq, group, sequence_parallel)
         self.wk = ColumnParallelLinear.from_dense(dense.wk, group, sequence_parallel)
         self.wv = ColumnParallelLinear.from_dense(dense.wv, group, sequence_parallel)
@@ -48,8 +62,7 @@ class TPAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # one f (or one all-gather) for the three projections: they read the same x
-        q, k, v = column_region(x, [self.wq.weight, self.wk.weight, self.wv.weight], self.group,
-                                self.sequence_parallel)
+        q, k, v = column_region(x, [self.wq.weight, self.wk.weight, self.wv.weight], self.group, self.sequence_parallel)
         b, s = q.shape[:2]  # s is the full sequence, also under SP: the region gathered it
         q, k, v = (y.view(b, s, -1, self.head_dim).transpose(1, 2) for y in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -71,8 +84,7 @@ class TPMLP(nn.Module):
         super().__init__()
         group = tp_group(group)
         self.group, self.sequence_parallel = group, sequence_parallel
-        check_divisible("MLP hidden units (d_ff)", dense.w1.out_features, dist.get_world_size(group),
-                        "change d_ff")
+        check_divisible("MLP hidden units (d_ff)", dense.w1.out_features, dist.get_world_size(group), "change d_ff")
         self.w1 = ColumnParallelLinear.from_dense(dense.w1, group, sequence_parallel)
         self.w3 = ColumnParallelLinear.from_dense(dense.w3, group, sequence_parallel)
         self.w2 = RowParallelLinear.from_dense(dense.w2, group, sequence_parallel)
@@ -108,7 +120,7 @@ class TPBlock(nn.Module):
         self.feed_forward = TPMLP(dense.feed_forward, group, sequence_parallel)
 
     @classmethod
-    def from_dense(cls, block, group, sequence_parallel: bool = False) -> "TPBlock":
+    def from_dense(cls, block, group, sequence_parallel: bool = False) -> TPBlock:
         return cls(block, group, sequence_parallel)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -139,7 +151,7 @@ class TPTransformer(nn.Module):
         self.register_buffer("rope_sin", dense.rope_sin.clone(), persistent=False)
 
     @classmethod
-    def from_dense(cls, model, group, sequence_parallel: bool = False) -> "TPTransformer":
+    def from_dense(cls, model, group, sequence_parallel: bool = False) -> TPTransformer:
         return cls(model, group, sequence_parallel)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -113,7 +113,7 @@ def matmul_3d(x: torch.Tensor, w: torch.Tensor, assemble: bool = True) -> torch.
     _check_split("h", x.shape[1], q)
     _check_split("n", w.shape[1], q * q)
     me = dist.get_rank()
-    i, j, l = me // (q * q), (me // q) % q, me % q
+    i, j, l = me // (q * q), (me // q) % q, me % q  # noqa: E741 - the paper's index l
     along_i, along_j, along_l = (_groups((q, q, q), a)[me][0] for a in (0, 1, 2))
     # Stored shards: X_il split over j along b, W_lj split over i along n.
     x_shard = _block(x, q, q, i, l).tensor_split(q, dim=0)[j].contiguous()
@@ -149,6 +149,7 @@ def _assemble(block: torch.Tensor, grid: tuple[int, int], where: tuple[int, int]
     dist.all_gather_single(all_coords, coords.flatten())
     out = torch.empty(grid[0] * block.shape[0], grid[1] * block.shape[1], dtype=block.dtype, device=block.device)
     for r, (bi, bj) in enumerate(all_coords.view(p, 2).tolist()):
-        out[bi * block.shape[0]:(bi + 1) * block.shape[0], bj * block.shape[1]:(bj + 1) * block.shape[1]] = (
-            everything[r * block.numel():(r + 1) * block.numel()].view(block.shape))
+        out[bi * block.shape[0] : (bi + 1) * block.shape[0], bj * block.shape[1] : (bj + 1) * block.shape[1]] = (
+            everything[r * block.numel() : (r + 1) * block.numel()].view(block.shape)
+        )
     return out

@@ -66,8 +66,6 @@ def sync_sequence_parallel_grads(module: torch.nn.Module, group) -> int:
     dist.all_reduce(flat, group=group)
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
     return len(grads)
-
-
