@@ -1,11 +1,13 @@
 """Every lab's grader proven both ways, the single-source rule, and the accelerate entry points."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from course_lib.cli import PORTABILITY_MATRIX
 from course_lib.grading import grade, starters
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,6 +23,28 @@ def test_solutions_score_full_marks(lab):
     results = grade.grade(lab, solutions=True)
     failed = [f"{r.task.name}: {r.feedback}" for r in results if not r.passed]
     assert not failed, f"the reference solution of {lab} must score full marks; failed:\n" + "\n".join(failed)
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_solutions_score_full_marks_on_a_baseline_cpu_with_one_thread(lab):
+    """The portability promise in CI: torch's plain scalar kernels and one thread, unlike the developer's CPU.
+
+    The full matrix (default/avx2 × 1/all threads, nbval included) is `./course portability`.
+    """
+    env = {**os.environ, **PORTABILITY_MATRIX[0]}
+    assert env["ATEN_CPU_CAPABILITY"] == "default" and env["OMP_NUM_THREADS"] == "1"
+    out = subprocess.run(
+        [sys.executable, "-m", "course_lib.cli", "grade", lab, "--solutions"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, (
+        f"the reference solution of {lab} loses points under ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1: a "
+        f"tolerance is tighter than the rounding it must absorb (derive it from what bounds the error):\n{out.stdout}"
+    )
 
 
 @pytest.mark.parametrize("lab", LABS)

@@ -48,9 +48,6 @@ class Timeline:
         self.spans.append(s)
         return s
 
-    def of_kind(self, kind: str) -> list[Span]:
-        return [s for s in self.spans if s.kind == kind]
-
     def named(self, name: str) -> list[Span]:
         return [s for s in self.spans if s.name == name]
 

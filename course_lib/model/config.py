@@ -212,11 +212,6 @@ class ModelConfig:
         return self.kv_lora_rank > 0
 
     @property
-    def top_k(self) -> int:
-        """Alias: routed experts per token."""
-        return self.n_activated_experts
-
-    @property
     def layer_types(self) -> tuple[str, ...]:
         """'full', 'sliding' or 'linear' for each layer (the rule of HF's gpt-oss and Qwen3-Next configs)."""
         other = "sliding" if self.sliding_window else "linear"

@@ -58,13 +58,13 @@ def merge_tolerance(logits: torch.Tensor) -> float:
 P2P = {"isend", "irecv", "send", "recv"}
 
 
-def _inputs(seq_len, h=H, hkv=HKV):
+def inputs(seq_len, h=H, hkv=HKV):
     g = torch.Generator().manual_seed(6)
     return [torch.randn(B, n, seq_len, D, generator=g) for n in (h, hkv, hkv, h)]
 
 
-def _reference(seq_len, h=H, hkv=HKV):
-    q, k, v, w = _inputs(seq_len, h, hkv)
+def reference(seq_len, h=H, hkv=HKV):
+    q, k, v, w = inputs(seq_len, h, hkv)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     (out * w).sum().backward()
@@ -89,7 +89,7 @@ def _ring_rank(impl: Adapter, seq_len: int, backward: bool):
 
     impl.module("ring_attention").block_attention = counting  # this rank's process only
     rank, world = dist.get_rank(), dist.get_world_size()
-    q, k, v, w = (shard(t, rank, world).to(device()) for t in _inputs(seq_len))
+    q, k, v, w = (shard(t, rank, world).to(device()) for t in inputs(seq_len))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     with counter.count() as fwd:
         out = impl["ring_attention"](q, k, v)
@@ -136,7 +136,7 @@ def check_setup(impl: Adapter) -> None:
 
 
 def check_merge(impl: Adapter) -> None:
-    q, k, v, _ = _inputs(16)
+    q, k, v, _ = inputs(16)
     for scale in (1.0, 300.0):  # 300: logits ~1e3, where e^lse overflows fp32
         tol = merge_tolerance(q * scale @ k.repeat_interleave(H // HKV, dim=1).transpose(-1, -2) / D**0.5)
         whole, whole_lse = block_attention(q * scale, k, v, causal=False)
@@ -161,22 +161,29 @@ def check_ring_forward(impl: Adapter) -> None:
     for world in WORLDS:
         s = 16 * world
         results = launch(_ring_rank, world, impl, s, False, timeout=30)
-        _check_close(results, [0], f"ring forward (N={world})", unshard, _reference(s))
+        _check_close(results, [0], f"ring forward (N={world})", unshard, reference(s))
         for rank, r in enumerate(results):
             assert r[6] <= P2P, (
                 f"ring forward on rank {rank} called {sorted(r[6] - P2P)}: pass K/V with isend/irecv only"
             )
 
 
-def check_ring_forward_bytes(impl: Adapter) -> None:
+def _check_sent(impl: Adapter, backward: bool) -> None:
+    phase, index = ("backward", 7) if backward else ("forward", 5)
+    hops = "K, V make N-1 hops and dK, dV make N" if backward else "K and V each make N-1 hops"
     for world in WORLDS:
         s = 16 * world
         want = ring_comm_bytes(B, s, HKV, D, world)
-        for rank, r in enumerate(launch(_ring_rank, world, impl, s, False, timeout=30)):
-            assert r[5] == {"calls": want["forward_sends"], "bytes": want["forward_bytes"]}, (
-                f"ring forward at N={world}, rank {rank}: sent {r[5]}; K and V each make N-1 hops: "
-                f"{want['forward_sends']} sends, {want['forward_bytes']} bytes"
+        expected = {"calls": want[f"{phase}_sends"], "bytes": want[f"{phase}_bytes"]}
+        for rank, r in enumerate(launch(_ring_rank, world, impl, s, backward, timeout=30)):
+            assert r[index] == expected, (
+                f"ring {phase} at N={world}, rank {rank}: sent {r[index]}; {hops}: "
+                f"{expected['calls']} sends, {expected['bytes']} bytes"
             )
+
+
+def check_ring_forward_bytes(impl: Adapter) -> None:
+    _check_sent(impl, backward=False)
 
 
 def check_ring_balance(impl: Adapter) -> None:
@@ -193,25 +200,18 @@ def check_ring_backward(impl: Adapter) -> None:
     for world in WORLDS:
         s = 16 * world
         results = launch(_ring_rank, world, impl, s, True, timeout=30)
-        _check_close(results, [1, 2, 3], f"ring backward (N={world})", unshard, _reference(s))
+        _check_close(results, [1, 2, 3], f"ring backward (N={world})", unshard, reference(s))
         for rank, r in enumerate(results):
             assert r[8] <= P2P, f"ring backward on rank {rank} called {sorted(r[8] - P2P)}: use isend/irecv only"
 
 
 def check_ring_backward_bytes(impl: Adapter) -> None:
-    for world in WORLDS:
-        s = 16 * world
-        want = ring_comm_bytes(B, s, HKV, D, world)
-        for rank, r in enumerate(launch(_ring_rank, world, impl, s, True, timeout=30)):
-            assert r[7] == {"calls": want["backward_sends"], "bytes": want["backward_bytes"]}, (
-                f"ring backward at N={world}, rank {rank}: sent {r[7]}; K, V make N-1 hops and dK, dV make N: "
-                f"{want['backward_sends']} sends, {want['backward_bytes']} bytes"
-            )
+    _check_sent(impl, backward=True)
 
 
 def _ulysses_rank(impl: Adapter, seq_len: int, h: int, hkv: int):
     rank, world = dist.get_rank(), dist.get_world_size()
-    q, k, v, w = (t.chunk(world, dim=-2)[rank].contiguous().to(device()) for t in _inputs(seq_len, h, hkv))
+    q, k, v, w = (t.chunk(world, dim=-2)[rank].contiguous().to(device()) for t in inputs(seq_len, h, hkv))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     with counter.count() as c:
         out = impl["ulysses_attention"](q, k, v)
@@ -230,7 +230,7 @@ def check_ulysses(impl: Adapter) -> None:
             [0, 1, 2, 3],
             f"Ulysses (N={world})",
             lambda xs: torch.cat(xs, dim=-2),
-            _reference(s, h, hkv),
+            reference(s, h, hkv),
             exact,
         )
         want = ulysses_comm_bytes(B, s, h, hkv, D, world)

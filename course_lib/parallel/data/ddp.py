@@ -120,10 +120,6 @@ class Bucket:
     work: object = None  # the async all-reduce in flight, if any
     ready: set = field(default_factory=set)  # ids of params whose gradient is in the buffer
 
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
-
 
 # ----------------------------------------------------------------------------------------------
 # The wrapper
@@ -292,11 +288,6 @@ class DistributedDataParallel(nn.Module):
     def bucket_names(self) -> list[list[str]]:
         """Parameter names per bucket, in launch order."""
         return [list(b.names) for b in self.buckets]
-
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
 
 
 def _annotate_comm_span(bucket: Bucket) -> None:
