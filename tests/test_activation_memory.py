@@ -59,7 +59,7 @@ def test_korthikanti_equations_are_consistent():
     s, b, h, a = 2048, 1, 12288, 96  # a GPT-3 175B layer (Brown et al. 2020)
     none = korthikanti_bytes_per_layer(s, b, h, a)
     assert none == s * b * h * (34 + 5 * a * s / h)
-    assert korthikanti_bytes_per_layer(s, b, h, a, t=8) == s * b * h * (10 + 24 / 8 + 5 * a * s / (h * 8))
-    assert korthikanti_bytes_per_layer(s, b, h, a, t=8, sequence_parallel=True) == pytest.approx(none / 8)
+    assert korthikanti_bytes_per_layer(s, b, h, a, tp_size=8) == s * b * h * (10 + 24 / 8 + 5 * a * s / (h * 8))
+    assert korthikanti_bytes_per_layer(s, b, h, a, tp_size=8, sequence_parallel=True) == pytest.approx(none / 8)
     # eq. 2 at t = 1 is eq. 1: nothing is split, nothing is replicated
-    assert korthikanti_bytes_per_layer(s, b, h, a, t=1, sequence_parallel=True) == pytest.approx(none)
+    assert korthikanti_bytes_per_layer(s, b, h, a, tp_size=1, sequence_parallel=True) == pytest.approx(none)

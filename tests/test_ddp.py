@@ -1,11 +1,16 @@
-"""course_lib.parallel.data.ddp against torch's DistributedDataParallel and against single-process training.
+"""course_lib.parallel.data.ddp: why it matches torch's DDP bit for bit, and against single-process training.
 
-Bit-equality with torch DDP needs the same buckets, the same layout inside each bucket and the
-same pre-division by W (see the module docstring of course_lib/parallel/data/ddp.py). Torch DDP spends its
-first iteration with a single bucket holding every gradient (it does not yet know the order in
-which gradients arrive) and rebuilds its buckets, in arrival order, at the next forward. So the
-torch reference takes one warm-up backward before the comparison starts; from then on its
-buckets are ours (``test_bucket_layout_is_torchs`` checks that).
+The comparisons with torch DDP themselves (the broadcast, the bucket rule and buckets, gradients and
+parameters bit-equal at 2, 3 and 4 ranks, overlap in the trace, no_sync) are lab 02's grader checks,
+run against this library in tests/test_lab_checks_01_02.py. This file keeps what they do not check:
+that the pre-division by W and torch's bucket layout are what bit-equality needs (see the module
+docstring of course_lib/parallel/data/ddp.py), equality with single-process training up to rounding,
+that the state broadcast is rank 0's, bad input, the traced step of lecture 02, and accelerate.
+
+Torch DDP spends its first iteration with a single bucket holding every gradient (it does not yet
+know the order in which gradients arrive) and rebuilds its buckets, in arrival order, at the next
+forward. So the torch reference takes one warm-up backward before any comparison; from then on its
+buckets are ours (lab 02's ``check_bucket_order`` checks that).
 """
 
 import copy
@@ -21,7 +26,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from course_lib import data
-from course_lib.dist import counter, launch, trace
+from course_lib.dist import launch
 from course_lib.measure.ddp import trace_step
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer, next_token_loss
@@ -71,44 +76,7 @@ def _n_different(a, b) -> int:
     return sum(int((x != y).sum()) for x, y in zip(a, b))
 
 
-# ---------------------------------------------------------------------------- against torch DDP
-
-
-def _against_torch(steps: int):
-    """Alternate plain steps and 2-micro-batch accumulation steps; AdamW after each."""
-    ours, ref, _ = _models()
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, ref)]
-    batches = _global_batches(2 * steps)
-    grad_diffs = []
-    for step in range(steps):
-        accumulate = step % 2 == 1
-        micro = [_shard(b) for b in batches[2 * step : 2 * step + (2 if accumulate else 1)]]
-        for model, opt in zip((ours, ref), opts):
-            opt.zero_grad(set_to_none=True)
-            if accumulate:
-                with model.no_sync():
-                    _step(model, *micro[0])
-            _step(model, *micro[-1])
-        grad_diffs.append(("accumulation" if accumulate else "plain", _n_different(_grads(ours), _grads(ref.module))))
-        for opt in opts:
-            opt.step()
-    param_diff = _n_different(list(ours.parameters()), list(ref.module.parameters()))
-    return grad_diffs, param_diff, len(ours.buckets)
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_gradients_and_parameters_bit_equal_torch_ddp(world):
-    for rank, (grad_diffs, param_diff, n_buckets) in enumerate(launch(_against_torch, world, 4, timeout=60)):
-        assert n_buckets == 5, "the tiny model should span 5 buckets at 0.05 MiB, so bucketing is exercised"
-        for step, (kind, n) in enumerate(grad_diffs):
-            assert n == 0, (
-                f"rank {rank}, step {step} ({kind}): {n} gradient elements differ from torch DDP. The DDP "
-                "gradients should equal torch DDP exactly: same buckets in reverse registration order, the "
-                "same layout inside each bucket, grad·(1/W) copied in, then SUM"
-            )
-        assert param_diff == 0, (
-            f"rank {rank}: after 4 AdamW steps {param_diff} parameter elements differ from torch DDP"
-        )
+# ---------------------------------------------------------------------------- why bit-equality needs torch's details
 
 
 def _division_order():
@@ -127,6 +95,7 @@ def _division_order():
 
 def test_pre_division_is_what_makes_three_ranks_bit_equal():
     pre, post = launch(_division_order, 3, timeout=60)[0]
+    # bit-equal: torch's buckets, layout, g·(1/W) and gloo all-reduce are the same float ops in the same order
     assert pre == 0, f"at W=3, {pre} gradient elements differ from torch DDP with pre-division g·(1/W)"
     assert post > 0, (
         "dividing after the sum should differ from torch at W=3 (Σ g·(1/3) and (Σ g)/3 round differently); "
@@ -151,31 +120,6 @@ def test_four_rank_sums_depend_on_the_bucket_layout():
     )
 
 
-def _layouts():
-    ours, ref, _ = _models()
-    _step(ref, *_shard(_global_batches(1)[0]))  # the forward of this step rebuilds torch's buckets
-    names = {id(p): n for n, p in ref.module.named_parameters()}
-    torch_buckets = [[names[id(p)] for p in b.parameters()] for b in ref.reducer._get_zeros_like_grad_buckets()]
-    return ours.bucket_names(), torch_buckets
-
-
-def test_bucket_layout_is_torchs():
-    ours, theirs = launch(_layouts, 2, timeout=60)[0]
-    assert ours[0][0] == "output.weight" and ours[-1][-1] == "tok_embeddings.weight", (
-        "buckets go in reverse registration order: the output layer's gradient is ready first, the embedding's last"
-    )
-    assert ours == theirs, f"our buckets {ours} should be torch DDP's rebuilt buckets {theirs}"
-
-
-@pytest.mark.parametrize("cap", [1, 100, 1000, 5000])
-def test_bucket_assignment_follows_torchs_rule(cap):
-    g = torch.Generator().manual_seed(cap)
-    tensors = [torch.empty(int(n)) for n in torch.randint(1, 400, (40,), generator=g)]
-    expected, _ = dist._compute_bucket_assignment_by_size(tensors, [cap], [], list(range(len(tensors))))
-    got = assign_buckets([t.numel() * t.element_size() for t in tensors], cap)
-    assert got == [list(b) for b in expected], f"cap {cap} B: buckets {got} differ from torch's {expected}"
-
-
 # ---------------------------------------------------------------------------- the mechanisms
 
 
@@ -189,84 +133,28 @@ def _different_init():
 
 
 def test_construction_broadcasts_rank0_state():
+    # That every rank holds the same state is lab 02's check_broadcast (tests/test_lab_checks_01_02.py);
+    # here: that the common state is the one rank 0 drew, not another rank's.
     results = launch(_different_init, 2, timeout=60)
-    for rank, (flat, _) in enumerate(results):
-        assert torch.equal(flat, results[0][0]), (
-            f"rank {rank} should hold rank 0's parameters and buffers after wrapping"
-        )
     n = results[0][1].numel()
-    assert torch.equal(results[1][0][:n], results[0][1]), "the common state should be the one rank 0 drew"
-
-
-def _overlap():
-    torch.manual_seed(0)
-    module = Transformer(configs.get("tiny"))
-    arrived = []  # registered before DDP's hooks, so each fires as its gradient arrives, before DDP sees it
-    for p in module.parameters():
-        p.register_post_accumulate_grad_hook(lambda p: arrived.append(trace.now()))
-    ours = DistributedDataParallel(module, bucket_cap_mb=CAP_MB)
-    x, y = _shard(_global_batches(1)[0])
-    _step(ours, x, y)  # warm-up
-    ours.zero_grad(set_to_none=True)
-    with trace.record() as tl:
-        arrived.clear()
-        with trace.span("forward"):
-            loss = next_token_loss(ours(x), y)
-        with trace.span("backward"):
-            loss.backward()
-    return tl.spans, max(arrived), len(ours.buckets)
-
-
-def test_all_reduce_overlaps_backward_in_the_trace():
-    for rank, (spans, last_grad, n_buckets) in enumerate(launch(_overlap, 2, timeout=60)):
-        backward = next(s for s in spans if s.name == "backward")
-        reduces = [s for s in spans if s.name == "all_reduce"]
-        assert len(reduces) == n_buckets, f"rank {rank}: one all-reduce per bucket, got {len(reduces)} for {n_buckets}"
-        assert [s.meta["bucket"] for s in reduces] == list(range(n_buckets)), "buckets are launched in order"
-        assert reduces[0].start < backward.end, "an all-reduce should start before backward ends"
-        early = [s for s in reduces if s.start < last_grad]
-        assert len(early) == n_buckets - 1, (
-            f"rank {rank}: {len(early)} of {n_buckets} all-reduces started before the last gradient was computed; "
-            f"all but the last bucket should, since each is launched from the hook that completes it"
-        )
-        assert all(s.end >= last_grad for s in reduces), (
-            f"rank {rank}: an all-reduce was waited for before backward had computed every gradient: launch with "
-            "async_op=True and wait only in finish(), or backward stalls on the network"
-        )
-
-
-def _no_sync_counts():
-    ours, _, base = _models()
-    x, y = _shard(_global_batches(1)[0])
-    with counter.count() as inside:
-        with ours.no_sync():
-            _step(ours, x, y)
-    _step(base, x, y)  # what this rank's gradient is without any communication
-    local_equal = _n_different(_grads(ours), _grads(base)) == 0
-    with counter.count() as outside:
-        _step(ours, x, y)
-    return inside.calls("all_reduce"), local_equal, outside.calls("all_reduce"), len(ours.buckets)
-
-
-def test_no_sync_accumulates_locally_without_communication():
-    for rank, (inside, local_equal, outside, n_buckets) in enumerate(launch(_no_sync_counts, 2, timeout=60)):
-        assert inside == 0, f"rank {rank}: {inside} all-reduces inside no_sync(); it must not communicate"
-        assert local_equal, f"rank {rank}: inside no_sync() the gradient should be the rank's own local gradient"
-        assert outside == n_buckets, (
-            f"rank {rank}: the synchronised backward should all-reduce each of the {n_buckets} buckets once"
-        )
+    for rank, (flat, _) in enumerate(results):  # bit-equal: a broadcast copies, it computes nothing
+        assert torch.equal(flat[:n], results[0][1]), f"rank {rank} should hold the parameters rank 0 drew"
 
 
 # ---------------------------------------------------------------------------- single-process reference
 
 # DDP on W shards computes (1/W)·Σ_r ∇L_r, single-process training ∇L of the whole batch: the same
-# number, summed in a different order (per-shard sums, then across ranks), so equal only up to
-# float32 rounding. Measured on the tiny model (largest gradient ~0.16): gradients differ by
-# <= 9e-8, parameters after 3 SGD steps (lr 0.1) by <= 1.1e-8. Bounds with ~10x headroom below.
+# number, summed in a different order (per-shard sums, then across ranks), so equal only up to fp32
+# rounding, a few eps of the largest gradient (~0.16): measured ≤ 9e-8 ≈ 5·eps·0.16 (3.7e-8 on AVX2 and
+# with ATEN_CPU_CAPABILITY=default, at 1 and 2 threads). GRAD_ATOL = 1e-6 ≈ 50·eps·0.16 leaves 10x for
+# other kernels, while a wrong average (1/W missing or applied twice) errs by ~0.16/2 = 0.08.
+# Parameters after 3 SGD steps (lr 0.1): each step adds at most lr·GRAD_ATOL = 1e-7 from the gradient,
+# plus one rounding of p - lr·g, whose two results can land 1 ulp apart, ≤ eps·|p| = 1.2e-7 at the norm
+# weights (|p| ≈ 1): 3 × (1e-7 + 1.2e-7) ≈ 6.6e-7 < PARAM_ATOL = 1e-6 (measured ≤ 1.1e-8).
 # The optimizer is SGD on purpose: AdamW's update g/√v has size ~lr however small g is, so it
 # turns a 1e-8 rounding difference in a near-zero gradient into a 1e-5 parameter difference
 # after one step (measured 2.7e-5) — a property of Adam, not of data parallelism.
-GRAD_ATOL, PARAM_ATOL = 1e-6, 1e-7
+GRAD_ATOL, PARAM_ATOL = 1e-6, 1e-6
 
 
 def _against_single_process(steps: int):

@@ -96,7 +96,7 @@ def test_norm_gradients_are_partial_until_all_reduced():
 
 def test_sp_replaces_the_all_reduces_by_all_gather_and_reduce_scatter_of_the_same_volume():
     t, b, s = 2, 2, 16
-    counts = collectives_per_layer(CFG, tp=t, batch=b, seq_len=s)
+    counts = collectives_per_layer(CFG, tp_size=t, batch=b, seq_len=s)
     tp_, sp = counts["TP"], counts["TP+SP"]
     full = b * s * CFG.d_model * 4  # bytes of one [b, s, h] fp32 activation
     calls = {phase: {k: v["calls"] for k, v in sp[phase].items()} for phase in ("forward", "backward")}

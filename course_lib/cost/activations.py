@@ -48,8 +48,14 @@ from course_lib.model.config import ModelConfig
 ATTENTION_KERNELS = ("flash", "math")
 
 
-def korthikanti_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False) -> float:
-    """Korthikanti et al. 2022, eqs. 1–3: bytes per layer for a GPT layer in 16-bit with dropout."""
+def korthikanti_bytes_per_layer(
+    s: int, b: int, h: int, a: int, tp_size: int = 1, sequence_parallel: bool = False
+) -> float:
+    """Korthikanti et al. 2022, eqs. 1–3: bytes per layer for a GPT layer in 16-bit with dropout.
+
+    The paper's symbols: s sequence, b micro-batch, h hidden, a heads; t = ``tp_size``.
+    """
+    t = tp_size
     attention = 5 * a * s / h
     if sequence_parallel:
         return s * b * h * (34 / t + attention / t)
@@ -57,13 +63,19 @@ def korthikanti_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, sequ
 
 
 def activation_terms(
-    cfg: ModelConfig, batch: int, seq_len: int, tp: int = 1, sequence_parallel: bool = False, attention: str = "flash"
+    cfg: ModelConfig,
+    batch: int,
+    seq_len: int,
+    tp_size: int = 1,
+    sequence_parallel: bool = False,
+    attention: str = "flash",
 ) -> dict[str, float]:
     """Elements one rank saves for backward in one ``Block`` of the course model, by term (see module doc)."""
     if attention not in ATTENTION_KERNELS:
         raise ValueError(f"attention={attention!r}: use one of {ATTENTION_KERNELS} (the kernel SDPA runs)")
     b, s, d, f, a = batch, seq_len, cfg.d_model, cfg.d_ff, cfg.n_heads
     q = cfg.n_heads * cfg.head_dim
+    tp = tp_size
     rep = tp if sequence_parallel else 1  # what divides the parts that plain TP replicates
     stat = a * s * b if attention == "flash" else a * s * s * b
     return {
@@ -82,16 +94,15 @@ def activation_bytes_per_layer(
     cfg: ModelConfig,
     batch: int,
     seq_len: int,
-    tp: int = 1,
+    tp_size: int = 1,
     sequence_parallel: bool = False,
     attention: str = "flash",
     bytes_per_element: int = 4,
 ) -> float:
     """Bytes one rank keeps for backward in one layer: the sum of :func:`activation_terms`."""
-    return bytes_per_element * sum(activation_terms(cfg, batch, seq_len, tp, sequence_parallel, attention).values())
-
-
-# ----------------------------------------------------------------------------------- measuring
+    return bytes_per_element * sum(
+        activation_terms(cfg, batch, seq_len, tp_size, sequence_parallel, attention).values()
+    )
 
 
 def attention_memory_per_rank(
@@ -99,10 +110,10 @@ def attention_memory_per_rank(
     n_heads: int,
     n_kv_heads: int,
     head_dim: int,
-    world: int = 1,
+    cp_size: int = 1,
     method: str = "ring",
     batch: int = 1,
-    bytes_per_elem: int = 4,
+    bytes_per_element: int = 4,
 ) -> dict:
     """Bytes one rank holds for one attention layer's core (between the projections), per method.
 
@@ -116,7 +127,7 @@ def attention_memory_per_rank(
         all-to-all (2·b·(s/N)·h·d); ring the K/V block in flight (2·b·h_kv·(s/N)·d).
     ``saved`` is checked against autograd's saved tensors in tests/test_ring_attention.py.
     """
-    b, s, h, hk, d, e, n = batch, seq_len, n_heads, n_kv_heads, head_dim, bytes_per_elem, world
+    b, s, h, hk, d, e, n = batch, seq_len, n_heads, n_kv_heads, head_dim, bytes_per_element, cp_size
     if method == "none":
         n = 1
     elif method == "ulysses":

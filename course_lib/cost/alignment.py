@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 
-
 def pad_to_multiple(n: int, multiple: int) -> int:
     """The smallest multiple of ``multiple`` that is ≥ n (how vocabularies and widths get padded)."""
     if n < 0 or multiple < 1:

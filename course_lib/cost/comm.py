@@ -35,7 +35,7 @@ def zero_comm_bytes(n_params: int, dp_size: int, stage: int, bytes_per_element: 
     return paper_comm_volume(stage) * (dp_size - 1) / dp_size * n_params * bytes_per_element
 
 
-def ring_wire_bytes(counts: dict, dp_size: int, group: str | None = None) -> float:
+def ring_wire_bytes(counts: dict, group_size: int, group: str | None = None) -> float:
     """Per-rank bytes on the wire, with ring algorithms, for counts from :mod:`course_lib.dist.counter`.
 
     ``counts`` is ``CommCounter.as_dict()`` ({"op@group": {"calls", "bytes"}}), whose bytes are the
@@ -43,7 +43,7 @@ def ring_wire_bytes(counts: dict, dp_size: int, group: str | None = None) -> flo
     this rank's shard of an all-gather. A ring sends 2(N-1)/N of an all-reduce's payload,
     (N-1)/N of a reduce-scatter's input and (N-1) times an all-gather's shard.
     """
-    n = dp_size
+    n = group_size
     factor = {
         "all_reduce": 2 * (n - 1) / n,
         "reduce_scatter_single": (n - 1) / n,
@@ -66,26 +66,26 @@ def ring_wire_bytes(counts: dict, dp_size: int, group: str | None = None) -> flo
 
 
 def ring_comm_bytes(
-    batch: int, seq_len: int, n_kv_heads: int, head_dim: int, world: int, bytes_per_elem: int = 4
+    batch: int, seq_len: int, n_kv_heads: int, head_dim: int, cp_size: int, bytes_per_element: int = 4
 ) -> dict:
     """What one rank sends per attention layer, all of it on its one link (to its right neighbour).
 
     A K/V block is b·h_kv·(s/N)·d elements. Forward: K and V each make N-1 hops. Backward: K and V
     make N-1 hops again, and dK, dV (fp32 accumulators) make N hops, the last one bringing them home.
     """
-    block = batch * n_kv_heads * (seq_len // world) * head_dim
-    hops = world - 1
-    grad_hops = world if world > 1 else 0
+    block = batch * n_kv_heads * (seq_len // cp_size) * head_dim
+    hops = cp_size - 1
+    grad_hops = cp_size if cp_size > 1 else 0
     return {
         "forward_sends": 2 * hops,
-        "forward_bytes": 2 * hops * block * bytes_per_elem,
+        "forward_bytes": 2 * hops * block * bytes_per_element,
         "backward_sends": 2 * hops + 2 * grad_hops,
-        "backward_bytes": 2 * hops * block * bytes_per_elem + 2 * grad_hops * block * 4,
+        "backward_bytes": 2 * hops * block * bytes_per_element + 2 * grad_hops * block * 4,
     }
 
 
 def ulysses_comm_bytes(
-    batch: int, seq_len: int, n_heads: int, n_kv_heads: int, head_dim: int, world: int, bytes_per_elem: int = 4
+    batch: int, seq_len: int, n_heads: int, n_kv_heads: int, head_dim: int, cp_size: int, bytes_per_element: int = 4
 ) -> dict:
     """Communication of one attention layer, forward (the backward moves the same again).
 
@@ -101,13 +101,13 @@ def ulysses_comm_bytes(
     against Megatron-LM's sequence parallelism, whose all-gathers and reduce-scatters of the full
     activation do not shrink with the degree.
     """
-    payload = batch * (seq_len // world) * (2 * n_heads + 2 * n_kv_heads) * head_dim * bytes_per_elem
+    payload = batch * (seq_len // cp_size) * (2 * n_heads + 2 * n_kv_heads) * head_dim * bytes_per_element
     return {
         "forward_calls": 4,
         "backward_calls": 4,
         "payload_per_rank": payload,
-        "per_peer": payload // world,
-        "leaving_rank": payload * (world - 1) // world,
+        "per_peer": payload // cp_size,
+        "leaving_rank": payload * (cp_size - 1) // cp_size,
     }
 
 

@@ -97,16 +97,16 @@ def _measure_rank(cfg, batch, seq_lens, settings, attention, seed):
 
 
 def measure_layer_bytes(
-    cfg: ModelConfig, batch: int, seq_lens, tp: int = 1, settings=(False,), attention: str = "flash", seed: int = 0
+    cfg: ModelConfig, batch: int, seq_lens, tp_size: int = 1, settings=(False,), attention: str = "flash", seed: int = 0
 ) -> dict:
     """Measured bytes per rank for one layer: {(seq_len, sequence_parallel): bytes}.
 
-    tp = 1 measures ``course_lib.model.transformer.Block`` in this process; tp > 1 launches tp ranks that each
+    tp_size = 1 measures ``course_lib.model.transformer.Block`` in this process; more launches tp_size ranks that each
     measure their ``TPBlock`` (one launch for all seq_lens and settings; rank 0's numbers, since
     every rank holds the same shapes).
     """
     seq_lens = list(seq_lens)
-    if tp == 1:
+    if tp_size == 1:
         torch.manual_seed(seed)
         dense = Transformer(cfg).to(device())
         return {
@@ -120,24 +120,24 @@ def measure_layer_bytes(
             for s in seq_lens
         }
 
-    return launch(_measure_rank, tp, cfg, batch, seq_lens, tuple(settings), attention, seed, timeout=120)[0]
+    return launch(_measure_rank, tp_size, cfg, batch, seq_lens, tuple(settings), attention, seed, timeout=120)[0]
 
 
 def model_vs_measurement(
-    cfg: ModelConfig, seq_lens, batch: int = 1, tp: int = 2, attention: str = "flash"
+    cfg: ModelConfig, seq_lens, batch: int = 1, tp_size: int = 2, attention: str = "flash"
 ) -> list[dict]:
     """For the lecture: one row per (layout, seq_len) with the model's and the measured bytes per rank.
 
-    Layouts: "dense" (t = 1), "TP" and "TP+SP" (t = ``tp``). Two launches at most in all.
+    Layouts: "dense" (t = 1), "TP" and "TP+SP" (t = ``tp_size``). Two launches at most in all.
     """
     measured = {
         ("dense", s): v for (s, _), v in measure_layer_bytes(cfg, batch, seq_lens, 1, attention=attention).items()
     }
-    for (s, sp), v in measure_layer_bytes(cfg, batch, seq_lens, tp, (False, True), attention).items():
+    for (s, sp), v in measure_layer_bytes(cfg, batch, seq_lens, tp_size, (False, True), attention).items():
         measured[("TP+SP" if sp else "TP", s)] = v
     rows = []
     for (layout, s), got in sorted(measured.items(), key=lambda kv: (kv[0][0], kv[0][1])):
-        t = 1 if layout == "dense" else tp
+        t = 1 if layout == "dense" else tp_size
         model = activation_bytes_per_layer(cfg, batch, s, t, layout == "TP+SP", attention)
         rows.append(
             {

@@ -36,12 +36,12 @@ def _count_block_rank(cfg, batch, seq_len, settings, seed):
     return results
 
 
-def collectives_per_layer(cfg, tp: int = 2, batch: int = 2, seq_len: int = 16, seed: int = 0) -> dict:
+def collectives_per_layer(cfg, tp_size: int = 2, batch: int = 2, seq_len: int = 16, seed: int = 0) -> dict:
     """For the lecture: collectives one rank issues in one ``TPBlock``, TP and TP+SP, from the counter.
 
     Returns {"TP": {"forward": {...}, "backward": {...}, "norm gradients": {...}}, "TP+SP": {...}},
     each a ``CommCounter.as_dict()`` ({"all_reduce@tp": {"calls": 2, "bytes": ...}, ...}); feed one to
-    :func:`wire_bytes` for the ring traffic. One launch of ``tp`` ranks.
+    :func:`course_lib.cost.comm.ring_wire_bytes` for the ring traffic. One launch of ``tp_size`` ranks.
     """
 
-    return launch(_count_block_rank, tp, cfg, batch, seq_len, (False, True), seed, timeout=120)[0]
+    return launch(_count_block_rank, tp_size, cfg, batch, seq_len, (False, True), seed, timeout=120)[0]

@@ -9,6 +9,14 @@ after), and no_sync (no all-reduce inside, and accumulation still bit-equal to t
 Torch DDP's first iteration uses a single bucket (it does not know the gradient order yet) and
 rebuilds its buckets at the next forward; the reference takes that warm-up step before any
 comparison, so from then on its buckets are the ones the lab asks for.
+
+The checks take an :class:`~course_lib.grading.adapter.Adapter` with the roles of :data:`ROLES`: the
+grader passes the learner's ``ddp.py``; tests/test_lab_checks_01_02.py passes course_lib's own
+``DistributedDataParallel`` (and its bucket rule and broadcast, through shims for the lab's signatures).
+
+Every comparison is bit-equal (no tolerance): the same buckets, the same layout inside each bucket,
+the same g·(1/W) copy-in and the same gloo all-reduce perform the same float operations in the same
+order as torch DDP, so any difference at all is a mistake.
 """
 
 import copy
@@ -20,9 +28,18 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from course_lib import data
 from course_lib.dist import counter, launch, trace
-from course_lib.grading.grade import Task, load
+from course_lib.grading.adapter import Adapter
+from course_lib.grading.grade import Task
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer, next_token_loss
+
+ROLES = ("broadcast_parameters", "plan_buckets", "DDP")
+
+
+def adapter(lab_dir: Path) -> Adapter:
+    """The learner's functions and class, from ``ddp.py``."""
+    return Adapter.of_file(Path(lab_dir) / "ddp.py", ROLES)
+
 
 CAP_MB = 0.05  # the tiny model's 417 KiB of gradients -> 5 buckets
 GLOBAL_BATCH, SEQ = 12, 32  # splits over 2, 3 and 4 ranks
@@ -42,15 +59,14 @@ def _backward(model, x, y) -> None:
     next_token_loss(model(x), y).backward()
 
 
-def _pair(lab_dir: Path, register_before=None):
-    """(the learner's DDP, torch DDP past its warm-up, a plain copy), all from one initial model."""
-    sub = load(lab_dir, "ddp")
+def _pair(impl: Adapter, register_before=None):
+    """(the DDP under test, torch DDP past its warm-up, a plain copy), all from one initial model."""
     torch.manual_seed(0)
     base = Transformer(configs.get("tiny"))
     module = copy.deepcopy(base)
     if register_before is not None:
         register_before(module)
-    mine = sub.DDP(module, bucket_cap_mb=CAP_MB)
+    mine = impl["DDP"](module, bucket_cap_mb=CAP_MB)
     ref = TorchDDP(copy.deepcopy(base), bucket_cap_mb=CAP_MB)
     _backward(ref, *_batches(1, seed=99)[0])
     ref.zero_grad(set_to_none=True)
@@ -68,24 +84,23 @@ def _grads(model):
 # ------------------------------------------------------------------------------- per-rank checks
 
 
-def _broadcast(lab_dir: Path):
-    sub = load(lab_dir, "ddp")
+def _broadcast(impl: Adapter):
     torch.manual_seed(dist.get_rank())
     module = Transformer(configs.get("tiny"))
-    sub.broadcast_parameters(module)
+    impl["broadcast_parameters"](module)
     return torch.cat([t.flatten() for t in [*module.parameters(), *module.buffers()]])
 
 
-def _torch_buckets(lab_dir: Path):
-    mine, ref, _ = _pair(lab_dir)
+def _torch_buckets(impl: Adapter):
+    mine, ref, _ = _pair(impl)
     _backward(ref, *_batches(1)[0])  # the forward of this step rebuilds torch's buckets
     names = {id(p): n for n, p in ref.module.named_parameters()}
     theirs = [[names[id(p)] for p in b.parameters()] for b in ref.reducer._get_zeros_like_grad_buckets()]
     return mine.bucket_names(), theirs
 
 
-def _against_torch(lab_dir: Path, steps: int, accumulate: bool):
-    mine, ref, _ = _pair(lab_dir)
+def _against_torch(impl: Adapter, steps: int, accumulate: bool):
+    mine, ref, _ = _pair(impl)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (mine, ref)]
     batches = _batches(2 * steps)
     diffs = []
@@ -103,14 +118,14 @@ def _against_torch(lab_dir: Path, steps: int, accumulate: bool):
     return diffs, _n_different(list(mine.module.parameters()), list(ref.module.parameters()))
 
 
-def _overlap(lab_dir: Path):
+def _overlap(impl: Adapter):
     arrived = []
 
     def register(module):  # hooks registered before the DDP's own fire first: "gradient arrived"
         for p in module.parameters():
             p.register_post_accumulate_grad_hook(lambda p: arrived.append(trace.now()))
 
-    mine, _, _ = _pair(lab_dir, register)
+    mine, _, _ = _pair(impl, register)
     x, y = _batches(1)[0]
     _backward(mine, x, y)  # warm-up
     mine.zero_grad(set_to_none=True)
@@ -121,8 +136,8 @@ def _overlap(lab_dir: Path):
     return tl.spans, max(arrived), len(mine.buckets)
 
 
-def _no_sync(lab_dir: Path):
-    mine, _, base = _pair(lab_dir)
+def _no_sync(impl: Adapter):
+    mine, _, base = _pair(impl)
     x, y = _batches(1)[0]
     with counter.count() as c:
         with mine.no_sync():
@@ -134,49 +149,50 @@ def _no_sync(lab_dir: Path):
 # ------------------------------------------------------------------------------------- checks
 
 
-def check_setup(lab_dir: Path) -> None:
-    sub = load(lab_dir, "ddp")
-    for name in ("broadcast_parameters", "plan_buckets", "DDP"):
-        assert hasattr(sub, name), f"ddp.py must define {name}"
+def check_setup(impl: Adapter) -> None:
+    module = impl.module("DDP")
+    for name in ROLES:
+        assert hasattr(module, name), f"ddp.py must define {name}"
 
 
-def check_broadcast(lab_dir: Path) -> None:
-    results = launch(_broadcast, 2, lab_dir, timeout=60)
+def check_broadcast(impl: Adapter) -> None:
+    results = launch(_broadcast, 2, impl, timeout=60)
+    # bit-equal: a broadcast copies rank 0's values, it computes nothing
     assert torch.equal(results[0], results[1]), (
         "after broadcast_parameters the ranks still hold different models: broadcast every parameter and "
         "buffer from rank 0 (dist.broadcast(t, src=0))"
     )
 
 
-def check_plan_rule(lab_dir: Path) -> None:
-    sub = load(lab_dir, "ddp")
+def check_plan_rule(impl: Adapter) -> None:
     g = torch.Generator().manual_seed(2)
     for cap in (1, 100, 1000, 5000, 10**9):
         sizes = [int(n) for n in torch.randint(1, 400, (30,), generator=g)]
         tensors = [torch.empty(n) for n in reversed(sizes)]  # torch's function takes them in bucket order
         expected, _ = dist._compute_bucket_assignment_by_size(tensors, [cap * 4], [], list(range(len(sizes))))
         expected = [[len(sizes) - 1 - i for i in b] for b in expected]
-        got = sub.plan_buckets([4 * n for n in sizes], cap * 4)
+        got = impl["plan_buckets"]([4 * n for n in sizes], cap * 4)
         assert got == expected, (
             f"plan_buckets with a cap of {cap * 4} B gives {len(got)} buckets starting {got[:2]}, torch's rule "
             f"{len(expected)} starting {expected[:2]}: walk from the last tensor, close a bucket once its size is >= the cap"
         )
 
 
-def check_bucket_order(lab_dir: Path) -> None:
-    mine, theirs = launch(_torch_buckets, 2, lab_dir, timeout=60)[0]
+def check_bucket_order(impl: Adapter) -> None:
+    mine, theirs = launch(_torch_buckets, 2, impl, timeout=60)[0]
     assert len(mine) == len(theirs), (
         f"the tiny model at {CAP_MB} MiB should have {len(theirs)} buckets, yours has {len(mine)}"
     )
     assert mine == theirs, f"bucket contents/order differ from torch DDP's: yours start {mine[0]}, torch's {theirs[0]}"
 
 
-def check_gradients(lab_dir: Path) -> None:
+def check_gradients(impl: Adapter) -> None:
     # W = 3 as well: at W = 2 and 4, dividing after the sum happens to give the same bits (1/W is a
     # power of two); at 3 only torch's order, g·(1/W) then SUM, does.
     for world in (2, 3, 4):
-        for rank, (diffs, params) in enumerate(launch(_against_torch, world, lab_dir, 3, False, timeout=60)):
+        for rank, (diffs, params) in enumerate(launch(_against_torch, world, impl, 3, False, timeout=60)):
             for step, n in enumerate(diffs):
+                # bit-equal: same buckets, layout, g·(1/W) and gloo all-reduce as torch = the same float ops in order
                 assert n == 0, (
                     f"{world} ranks, rank {rank}, step {step}: {n} gradient elements differ from torch DDP (must be "
                     "bit-equal): check the 1/W pre-division, the layout inside each bucket, and the copy back"
@@ -184,8 +200,8 @@ def check_gradients(lab_dir: Path) -> None:
             assert params == 0, f"{world} ranks: after 3 AdamW steps {params} parameter elements differ from torch DDP"
 
 
-def check_overlap(lab_dir: Path) -> None:
-    spans, last_grad, n_buckets = launch(_overlap, 2, lab_dir, timeout=60)[0]
+def check_overlap(impl: Adapter) -> None:
+    spans, last_grad, n_buckets = launch(_overlap, 2, impl, timeout=60)[0]
     reduces = [s for s in spans if s.name == "all_reduce"]
     assert len(reduces) == n_buckets, f"one all-reduce per bucket per backward: {len(reduces)} for {n_buckets} buckets"
     early = [s for s in reduces if s.start < last_grad]
@@ -198,11 +214,13 @@ def check_overlap(lab_dir: Path) -> None:
     )
 
 
-def check_no_sync(lab_dir: Path) -> None:
-    for rank, (calls, local_diff) in enumerate(launch(_no_sync, 2, lab_dir, timeout=60)):
+def check_no_sync(impl: Adapter) -> None:
+    for rank, (calls, local_diff) in enumerate(launch(_no_sync, 2, impl, timeout=60)):
         assert calls == 0, f"rank {rank}: {calls} all-reduces inside no_sync(); it must not communicate"
+        # bit-equal: the same local backward of the same model on the same rows, with nothing added
         assert local_diff == 0, f"rank {rank}: inside no_sync() .grad should be the rank's own local gradient"
-    for rank, (diffs, params) in enumerate(launch(_against_torch, 4, lab_dir, 2, True, timeout=60)):
+    for rank, (diffs, params) in enumerate(launch(_against_torch, 4, impl, 2, True, timeout=60)):
+        # bit-equal: both accumulate the same two local gradients in .grad, then all-reduce like check_gradients
         assert all(n == 0 for n in diffs) and params == 0, (
             f"rank {rank}: accumulation over 2 micro-batches (first inside no_sync) differs from torch DDP's"
         )
