@@ -331,6 +331,23 @@ def _require(condition: bool, message: str) -> None:
 # ---------------------------------------------------------------------- the named configurations
 _COURSE = "course model, sized to train on 2 CPU cores; vocab_size = course_lib.model.tokenizer.VOCAB_SIZE"
 
+# Both gpt-oss models share one layer design (model card Table 1).
+_GPT_OSS_LAYER = dict(
+    vocab_size=201_088,
+    d_model=2880,
+    n_heads=64,
+    n_kv_heads=8,
+    head_dim=64,
+    d_ff=2880,
+    max_seq_len=131_072,
+    rope_theta=150_000.0,
+    norm_eps=1e-5,
+    n_activated_experts=4,
+    moe_d_ff=2880,
+    full_attention_interval=2,
+    sliding_window=128,
+)
+
 _REGISTRY: dict[str, dict] = {
     "tiny": dict(
         vocab_size=VOCAB_SIZE,
@@ -403,40 +420,16 @@ _REGISTRY: dict[str, dict] = {
         "meta-llama/Llama-3.1-405B; headline 405B; KV 516 KB/token (seed 001 Table 1)",
     ),
     "gpt-oss-120b": dict(
-        vocab_size=201_088,
-        d_model=2880,
+        _GPT_OSS_LAYER,
         n_layers=36,
-        n_heads=64,
-        n_kv_heads=8,
-        head_dim=64,
-        d_ff=2880,
-        max_seq_len=131_072,
-        rope_theta=150_000.0,
-        norm_eps=1e-5,
         n_routed_experts=128,
-        n_activated_experts=4,
-        moe_d_ff=2880,
-        full_attention_interval=2,
-        sliding_window=128,
         source="gpt-oss-120b & gpt-oss-20b Model Card (OpenAI, Aug 2025) Table 1; config.json of "
         "openai/gpt-oss-120b; headline 116.83B total / 5.13B active (seed 000 Table 3: ~117B / ~5.1B)",
     ),
-    "gpt-oss-20b": dict(
-        vocab_size=201_088,
-        d_model=2880,
+    "gpt-oss-20b": dict(  # the 120b's layer, fewer of them and fewer experts
+        _GPT_OSS_LAYER,
         n_layers=24,
-        n_heads=64,
-        n_kv_heads=8,
-        head_dim=64,
-        d_ff=2880,
-        max_seq_len=131_072,
-        rope_theta=150_000.0,
-        norm_eps=1e-5,
         n_routed_experts=32,
-        n_activated_experts=4,
-        moe_d_ff=2880,
-        full_attention_interval=2,
-        sliding_window=128,
         source="gpt-oss-120b & gpt-oss-20b Model Card (OpenAI, Aug 2025) Table 1; config.json of "
         "openai/gpt-oss-20b; headline 20.91B total / 3.61B active (seed 000 Table 3: ~21B / ~3.6B)",
     ),
