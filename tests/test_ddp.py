@@ -2,7 +2,7 @@
 
 The comparisons with torch DDP themselves (the broadcast, the bucket rule and buckets, gradients and
 parameters bit-equal at 2, 3 and 4 ranks, overlap in the trace, no_sync) are lab 02's grader checks,
-run against this library in tests/test_lab_checks_01_02.py. This file keeps what they do not check:
+run against this library in tests/test_lab_checks.py. This file keeps what they do not check:
 that the pre-division by W and torch's bucket layout are what bit-equality needs (see the module
 docstring of course_lib/parallel/data/ddp.py), equality with single-process training up to rounding,
 that the state broadcast is rank 0's, bad input, the traced step of lecture 02, and accelerate.
@@ -15,9 +15,6 @@ buckets are ours (lab 02's ``check_bucket_order`` checks that).
 
 import copy
 import functools
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -133,7 +130,7 @@ def _different_init():
 
 
 def test_construction_broadcasts_rank0_state():
-    # That every rank holds the same state is lab 02's check_broadcast (tests/test_lab_checks_01_02.py);
+    # That every rank holds the same state is lab 02's check_broadcast (tests/test_lab_checks.py);
     # here: that the common state is the one rank 0 drew, not another rank's.
     results = launch(_different_init, 2, timeout=60)
     n = results[0][1].numel()
@@ -235,31 +232,8 @@ def test_trace_step_gives_a_timeline_per_rank():
         assert all(s.start >= timeline["origin"] for s in spans)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_lab02_runs_under_accelerate_launch():
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        "solutions/accelerate/cpu.yaml",
-        "--num_processes",
-        "2",
-        "--main_process_port",
-        str(_free_port()),
-        "solutions/lab02_ddp/run.py",
-        "--steps",
-        "2",
-        "--batch",
-        "8",
-    ]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stdout + out.stderr
+def test_lab02_runs_under_accelerate_launch(accelerate_launch):
+    out = accelerate_launch("solutions/lab02_ddp/run.py", "--steps", 2, "--batch", 8, num_processes=2, timeout=120)
     assert "2 ranks, backend gloo; 5 buckets" in out.stdout
     assert "step 2: loss" in out.stdout and "all-reduces 5 (427264 B) for 5 buckets; 1 of 2" in out.stdout
     assert "replicas identical after 2 steps: True" in out.stdout

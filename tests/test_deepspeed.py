@@ -11,8 +11,6 @@ DeepSpeed's first start on a machine JIT-builds a shared-memory op (~1 min, cach
 all three stages run in one launch.
 """
 
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -47,27 +45,14 @@ def test_deepspeed_and_course_zero_give_the_same_loss_curve():
         assert ours[-1] < ours[0] - 0.5, f"ZeRO-{stage} should be training: loss went {ours[0]:.3f} -> {ours[-1]:.3f}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_accelerate_launch_with_the_shipped_deepspeed_zero3_config():
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        "solutions/accelerate/deepspeed_zero3.yaml",
-        "--main_process_port",
-        str(_free_port()),
+def test_accelerate_launch_with_the_shipped_deepspeed_zero3_config(accelerate_launch):
+    out = accelerate_launch(
         "solutions/lab03_zero/train_deepspeed.py",
         "--steps",
-        "4",
-    ]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        4,
+        config="solutions/accelerate/deepspeed_zero3.yaml",
+        timeout=240,
+    )
     assert "2 ranks, DistributedType.DEEPSPEED, DeepSpeed ZeRO-3" in out.stdout, (
         "accelerate should start 2 DeepSpeed ranks (the script names the backend, or accelerate 1.15 "
         "reports 1 process per rank on a CPU-only machine):\n" + out.stdout[-2000:]

@@ -25,7 +25,7 @@ def _rank_waits_forever():
 
 
 def _a_rank_hangs(impl):
-    launch(_rank_waits_forever, 2, timeout=2)
+    launch(_rank_waits_forever, 2, timeout=6)  # long enough for rank 0 to start and return on a loaded machine
 
 
 def _wrong(impl):

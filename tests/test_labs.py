@@ -68,22 +68,7 @@ def test_grade_cli_exit_code_and_table(capsys):
         grade.main(["lab99"])
 
 
-def test_lab01_runs_under_accelerate_launch_at_4_ranks(free_port):
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        "solutions/accelerate/cpu.yaml",
-        "--main_process_port",
-        str(free_port),
-        "solutions/lab01_collectives/run.py",
-        "--sizes-kib",
-        "4",
-        "--repeats",
-        "2",
-    ]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
+def test_lab01_runs_under_accelerate_launch_at_4_ranks(accelerate_launch):
+    out = accelerate_launch("solutions/lab01_collectives/run.py", "--sizes-kib", 4, "--repeats", 2)
     assert "4 ranks" in out.stdout and "correct: all three equal torch.distributed" in out.stdout
     assert "rank 0 sent 1572864 B; 2(N-1)/N·S = 1572864 B" in out.stdout

@@ -1,10 +1,17 @@
 """Megatron tensor parallelism (course_lib.parallel.tensor) against the dense course model and torch DTensor.
 
+Lab 04's grader checks (course_lib/grading/labs/lab04_tensor_parallel.py) run on course_lib's f, g
+and layers in tests/test_lab_checks.py: f and g, column and row linear, an MLP and its two
+all-reduces, the vocab-parallel embedding, and the cross-entropy with its three all-reduces, at
+t = 2 and 4. The tests below add what the lab does not ask for: the course model's TP block and
+training run, ignore_index, torch DTensor, clear errors, and the lab's entry point.
+
 Tolerance. Column-parallel outputs are the dense dot products, but row-parallel layers (wo, w2) and
 the input gradients of f add t partial sums Σ_i X_i·A_i in another order than one long dot product,
-and fp32 rounding depends on that order (eps = 1.2e-7; a length-K sum can differ by up to ~K·eps
-relative). K is at most 192 here, so we allow 1e-5 of each tensor's largest magnitude; the measured
-differences are below 1e-6. Where no sum is split (the losses), results are compared exactly or to 1e-6.
+and fp32 rounding depends on that order (eps = 1.2e-7). A length-K sum can differ by K·eps relative
+in the worst case (2.3e-5 for K = 192, the MLP's width), but its rounding errors add like a random walk,
+~√K·eps ≈ 1.7e-6 (Higham & Mary, SIAM J. Sci. Comput. 2019); measured below 6e-7. So we allow 1e-5
+of each tensor's largest magnitude, while a missing all-reduce errs by O(1).
 """
 
 import copy
@@ -18,7 +25,6 @@ from course_lib.data import MarkovLanguage, make_dataset
 from course_lib.dist import Mesh, counter, launch
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer
-from course_lib.parallel.tensor.comms import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from course_lib.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -28,7 +34,7 @@ from course_lib.parallel.tensor.layers import (
 )
 from course_lib.parallel.tensor.model import TPMLP, TPBlock, TPTransformer
 
-RTOL = 1e-5  # of the largest magnitude: see the module docstring
+RTOL = 1e-5  # of the largest magnitude: √K·eps ≈ 1.7e-6 for a reordered K = 192-term sum (module docstring)
 # 8 query heads and 4 K/V heads: tensor parallel sizes 2 and 4 both divide them, and GQA groups of 2 stay whole
 CFG = configs.get("tiny", n_heads=8, n_kv_heads=4)
 
@@ -39,40 +45,6 @@ def max_rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def _rank_inputs(seed: int, shape):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-# --------------------------------------------------------------------------------- f and g
-
-
-def _f_and_g():
-    group = Mesh(tp=dist.get_world_size()).group("tp")
-    r = dist.get_rank()
-    x = torch.full((3,), float(r + 1), requires_grad=True)
-    with counter.count() as f_fwd:
-        y = copy_to_tensor_parallel_region(x, group)
-    with counter.count() as f_bwd:
-        (y * (r + 1)).sum().backward()  # rank r's upstream gradient is r + 1
-    x2 = torch.full((3,), float(r + 1), requires_grad=True)
-    with counter.count() as g_fwd:
-        z = reduce_from_tensor_parallel_region(x2, group)
-    with counter.count() as g_bwd:
-        (z * (r + 1)).sum().backward()
-    return (y.detach(), x.grad, z.detach(), x2.grad, [c.calls("all_reduce") for c in (f_fwd, f_bwd, g_fwd, g_bwd)])
-
-
-def test_f_is_identity_forward_all_reduce_backward_and_g_the_reverse():
-    t = 2
-    results = launch(_f_and_g, t, timeout=60)
-    total = sum(range(1, t + 1))
-    for r, (y, x_grad, z, x2_grad, calls) in enumerate(results):
-        assert torch.equal(y, torch.full((3,), float(r + 1))), "f must be the identity in the forward pass"
-        assert torch.equal(x_grad, torch.full((3,), float(total))), (
-            "f's backward must all-reduce (sum) the gradient over the TP group: each rank used X for its own "
-            "slice only, so its gradient is a partial sum"
-        )
-        assert torch.equal(z, torch.full((3,), float(total))), "g must all-reduce (sum) in the forward pass"
-        assert torch.equal(x2_grad, torch.full((3,), float(r + 1))), "g's backward must be the identity"
-        assert calls == [0, 1, 1, 0], f"all-reduces in f fwd, f bwd, g fwd, g bwd should be [0, 1, 1, 0], got {calls}"
 
 
 # ------------------------------------------------------------------------------ block vs dense
@@ -109,6 +81,7 @@ def test_tp_block_outputs_and_gradients_equal_dense(tp):
     for rank, (weights_equal, diffs, fwd, bwd, activation_bytes) in enumerate(
         launch(_block_vs_dense, tp, 0, timeout=60)
     ):
+        # bit-equal: from_dense copies slices of the dense weights, no arithmetic
         assert weights_equal, "TPBlock.from_dense must hold exactly this rank's slice of every dense weight"
         bad = {k: v for k, v in diffs.items() if v > RTOL}
         assert not bad, (
@@ -128,22 +101,8 @@ def test_tp_block_outputs_and_gradients_equal_dense(tp):
 # ------------------------------------------------------------------- vocabulary-parallel pieces
 
 
-def _vocab_parallel(seed: int):
+def _cross_entropy_ignoring(seed: int):
     group = Mesh(tp=dist.get_world_size()).group("tp")
-    torch.manual_seed(seed)
-    dense_emb = torch.nn.Embedding(64, 8)
-    tokens = torch.randint(0, 64, (3, 10), generator=torch.Generator().manual_seed(seed))
-    emb = VocabParallelEmbedding.from_dense(dense_emb, group)
-    dense_out = dense_emb(tokens)
-    dense_out.pow(2).sum().backward()
-    with counter.count() as emb_fwd:
-        out = emb(tokens)
-    out.pow(2).sum().backward()
-    emb_diffs = (
-        max_rel_diff(out, dense_out),
-        max_rel_diff(emb.weight.grad, shard_of(dense_emb.weight.grad, emb.weight, group)),
-    )
-
     logits = _rank_inputs(seed, (3, 10, 64)) * 4
     targets = torch.randint(0, 64, (3, 10), generator=torch.Generator().manual_seed(seed + 1))
     targets[0, :3] = -100  # ignored positions
@@ -151,46 +110,23 @@ def _vocab_parallel(seed: int):
     want = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
     want.backward()
     local = logits.detach().chunk(dist.get_world_size(), -1)[dist.get_rank()].clone().requires_grad_(True)
-    with counter.count() as ce_fwd:
-        got = vocab_parallel_cross_entropy(local, targets, group)
-    with counter.count() as ce_bwd:
-        got.backward()
+    got = vocab_parallel_cross_entropy(local, targets, group)
+    got.backward()
     grad_want = logits.grad.chunk(dist.get_world_size(), -1)[dist.get_rank()]
-    return (
-        emb_diffs,
-        emb_fwd.as_dict(),
-        (got.item(), want.item()),
-        max_rel_diff(local.grad, grad_want),
-        ce_fwd.as_dict(),
-        ce_bwd.as_dict(),
-    )
+    return got.item(), want.item(), max_rel_diff(local.grad, grad_want)
 
 
-def test_vocab_parallel_embedding_and_cross_entropy_equal_dense():
-    for rank, (emb_diffs, emb_fwd, (got, want), grad_diff, ce_fwd, ce_bwd) in enumerate(
-        launch(_vocab_parallel, 4, 0, timeout=60)
-    ):
-        assert max(emb_diffs) == 0.0, (
-            f"rank {rank}: the vocab-parallel embedding must equal nn.Embedding exactly (each token has one owner, "
-            f"the others add zeros), output and gradient differ by {emb_diffs}"
-        )
-        assert emb_fwd["all_reduce@tp"]["calls"] == 1, (
-            f"the embedding sums the partial lookups with one all-reduce: {emb_fwd}"
-        )
+def test_vocab_parallel_cross_entropy_skips_ignore_index_like_torch():
+    # without ignored targets, and the embedding: lab04.check_cross_entropy(_collectives), lab04.check_embedding
+    for rank, (got, want, grad_diff) in enumerate(launch(_cross_entropy_ignoring, 4, 0, timeout=60)):
+        # reordering S_n's 64 terms moves log S_n by ≤ 64·eps ≈ 7.6e-6, 7e-7 of the loss ≈ 10.7 (measured: equal)
         assert abs(got - want) <= 1e-6 * abs(want), (
             f"rank {rank}: vocab-parallel cross-entropy {got} should equal F.cross_entropy {want} (ignore_index too)"
         )
         assert grad_diff <= RTOL, (
-            f"rank {rank}: its gradient (softmax - one-hot) on this rank's slice differs by {grad_diff}"
+            f"rank {rank}: its gradient (softmax - one-hot, 0 at ignored positions) on this rank's slice differs "
+            f"by {grad_diff}"
         )
-        calls = {k: v["calls"] for k, v in ce_fwd.items()}
-        assert calls == {"all_reduce@tp": 3}, (
-            f"the vocab-parallel cross-entropy needs exactly 3 all-reduces (max, target logit, sum of exps), got {calls}"
-        )
-        assert ce_fwd["all_reduce@tp"]["bytes"] == 3 * 30 * 4, (
-            "each of the 3 all-reduces carries one float per token, never [tokens, V]"
-        )
-        assert ce_bwd == {}, f"the cross-entropy backward needs no communication, got {ce_bwd}"
 
 
 # ----------------------------------------------------------------------- training on course data
@@ -318,31 +254,7 @@ def test_divisibility_violations_raise_clear_errors():
 # ---------------------------------------------------------------------------- lab 04 entry point
 
 
-def test_lab04_run_py_trains_under_accelerate_launch():
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        "solutions/accelerate/cpu.yaml",
-        "--num_processes",
-        "2",
-        "--main_process_port",
-        str(port),
-        "solutions/lab04_tensor_parallel/run.py",
-        "--steps",
-        "12",
-    ]
-    out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stdout + out.stderr
+def test_lab04_run_py_trains_under_accelerate_launch(accelerate_launch):
+    out = accelerate_launch("solutions/lab04_tensor_parallel/run.py", "--steps", 12, num_processes=2, timeout=240)
     assert "tensor parallel over 2 ranks" in out.stdout and "TP training follows the dense loss curve" in out.stdout
     assert "5 all-reduces forward (embedding 1, MLP 1, cross-entropy 3), 2 backward" in out.stdout, out.stdout

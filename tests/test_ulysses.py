@@ -1,7 +1,7 @@
 """DeepSpeed-Ulysses (course_lib.parallel.context.ulysses) against full causal attention, forward and backward.
 
 Lab 06's Ulysses check (bit-equal at N = 2 and 4, 4 + 4 all-to-alls of the formula's bytes) runs on
-course_lib's Ulysses in tests/test_ring_attention.py; the tests here add the all-to-all round trip,
+course_lib's Ulysses in tests/test_lab_checks.py; the tests here add the all-to-all round trip,
 a mesh's cp groups, the backward's symmetry and the errors.
 
 Tolerance: none on CPU. The all-to-alls only move numbers, and each rank then runs the same

@@ -1,0 +1,80 @@
+"""Every lab's graded checks, run on course_lib's own implementation: one check proves both.
+
+Each grader's checks take an :class:`~course_lib.grading.adapter.Adapter` (role -> callable). The
+grader builds it from the learner's file; here it points at course_lib, so every graded property of
+a lab is also a test of the library, written once (tests/lab_shims.py bridges the two interfaces
+where they differ).
+
+Not run here: the setup checks (they inspect a learner's file for names); lab 01, since course_lib
+has no ring collectives of its own (its code calls torch.distributed's); and lab 03's
+``check_padding``: course_lib has no ``padded_size`` / ``shard_of`` functions (``_Unit`` pads
+inline), so its padding is proven by the parity checks on the "odd" model, whose sizes 2 does not divide.
+"""
+
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+from course_lib.grading.adapter import Adapter
+from course_lib.grading.labs import lab02_ddp as lab02
+from course_lib.grading.labs import lab03_zero as lab03
+from course_lib.grading.labs import lab04_tensor_parallel as lab04
+from course_lib.grading.labs import lab06_sequence_parallel as lab06
+
+SHIMS = str(Path(__file__).resolve().parent / "lab_shims.py")
+
+LIBRARY = {
+    "lab02": Adapter.of_library(
+        broadcast_parameters=f"{SHIMS}:broadcast_parameters",
+        plan_buckets=f"{SHIMS}:plan_buckets",
+        DDP="course_lib.parallel.data.ddp:DistributedDataParallel",
+    ),
+    "lab03": Adapter.of_library(
+        ZeroAdamW="course_lib.parallel.data.zero:Zero",
+        adamw_="course_lib.optim.optimizers:adamw_",
+    ),
+    "lab04": Adapter.of_library(
+        f="course_lib.parallel.tensor.comms:copy_to_tensor_parallel_region",
+        g="course_lib.parallel.tensor.comms:reduce_from_tensor_parallel_region",
+        ColumnParallelLinear="course_lib.parallel.tensor.layers",
+        RowParallelLinear="course_lib.parallel.tensor.layers",
+        DenseMLP=f"{SHIMS}:DenseMLP",
+        ParallelMLP=f"{SHIMS}:ParallelMLP",
+        VocabParallelEmbedding="course_lib.parallel.tensor.layers",
+        vocab_parallel_cross_entropy="course_lib.parallel.tensor.layers",
+    ),
+    "lab06": Adapter.of_library(
+        merge_partials="course_lib.parallel.context.ring_attention",
+        ring_attention="course_lib.parallel.context.ring_attention",
+        ulysses_attention="course_lib.parallel.context.ulysses",
+    ),
+}
+GRADERS = {"lab02": lab02, "lab03": lab03, "lab04": lab04, "lab06": lab06}
+NOT_IN_LIBRARY = {lab03.check_padding}  # see the module docstring
+ROLES_NOT_IN_LIBRARY = {"lab03": {"padded_size", "shard_of"}}
+CHECKS = [
+    (lab, task.check)
+    for lab, grader in GRADERS.items()
+    for task in grader.TASKS
+    if not task.setup and task.check not in NOT_IN_LIBRARY
+]
+
+
+def _name(check) -> str:
+    if isinstance(check, partial):  # lab 03's per-stage checks
+        return check.func.__name__.lstrip("_") + "".join(f"_{k}{v}" for k, v in check.keywords.items())
+    return check.__name__
+
+
+@pytest.mark.parametrize("lab", sorted(GRADERS))
+def test_the_library_adapter_fills_the_labs_roles(lab):
+    adapter = LIBRARY[lab]
+    assert set(adapter.roles()) | ROLES_NOT_IN_LIBRARY.get(lab, set()) == set(GRADERS[lab].ROLES)
+    for role in adapter.roles():
+        assert callable(adapter[role]), f"{lab}: {role} must resolve to a callable"
+
+
+@pytest.mark.parametrize(("lab", "check"), CHECKS, ids=[f"{lab}-{_name(check)}" for lab, check in CHECKS])
+def test_course_lib_passes_the_labs_check(lab, check):
+    check(LIBRARY[lab])
