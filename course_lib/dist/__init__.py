@@ -3,8 +3,10 @@
 * :mod:`~course_lib.dist.runtime` — the one place that picks device and backend; ``init()``.
 * :mod:`~course_lib.dist.launch`  — ``launch(fn, world_size)``: run a function on N ranks.
 * :mod:`~course_lib.dist.mesh`    — ``Mesh(dp=, tp=, pp=, cp=, ep=)``: process groups per parallelism.
+* :mod:`~course_lib.dist.intercept` — reports each ``torch.distributed`` call to its observers:
+* :mod:`~course_lib.dist.counter` — calls and bytes per collective and process group;
 * :mod:`~course_lib.dist.trace`   — per-rank timeline of compute and communication spans.
-* :mod:`~course_lib.dist.counter` — calls and bytes per collective and process group.
+* :mod:`~course_lib.dist.census`  — bytes of the storages a rank holds (parameters, gradients, state).
 """
 
 from course_lib.dist import counter, trace

@@ -47,10 +47,6 @@ class CommCounter:
         """{"all_reduce@dp": {"calls": 2, "bytes": 4096}, ...} — picklable, for launch() results."""
         return {f"{o}@{g}": {"calls": c, "bytes": b} for (o, g), (c, b) in sorted(self.counts.items())}
 
-    def observe(self, op: str, group: str, nbytes: int) -> None:
-        """The interception's callback: one more call of ``op`` on ``group``."""
-        self.add(op, group, nbytes)
-
 
 @contextlib.contextmanager
 def count():
@@ -59,5 +55,5 @@ def count():
     Counts nest: an outer count sees everything an inner one sees.
     """
     c = CommCounter()
-    with intercept.observe(c.observe):
+    with intercept.observe(c.add):  # each call: one more of ``op`` on ``group``
         yield c

@@ -1,0 +1,9 @@
+"""course_lib.measure — harnesses that launch ranks and measure what :mod:`course_lib.cost` predicts.
+
+For lectures, tests and benchmarks only: no algorithm imports this package.
+
+* :mod:`~course_lib.measure.zero`            — bytes held and moved by each ZeRO stage
+* :mod:`~course_lib.measure.activations`     — bytes autograd saves for one layer's backward
+* :mod:`~course_lib.measure.tensor_parallel` — collectives of one TP / TP+SP block
+* :mod:`~course_lib.measure.ddp`             — one traced DDP step, for the overlap timeline
+"""

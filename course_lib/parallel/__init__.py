@@ -1,0 +1,6 @@
+"""course_lib.parallel — one folder per parallelism; sibling strategies never import each other.
+
+* :mod:`~course_lib.parallel.data`    — DDP, ZeRO-1/2/3
+* :mod:`~course_lib.parallel.tensor`  — Megatron TP (comms → layers → sequence parallel → model), 2D/2.5D/3D
+* :mod:`~course_lib.parallel.context` — ring attention, Ulysses
+"""

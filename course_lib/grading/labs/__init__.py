@@ -1,0 +1,1 @@
+"""One grader per lab: ``ROLES``, ``adapter(lab_dir)``, the checks and ``TASKS``."""
