@@ -7,16 +7,19 @@ checks test course_lib's code (course_lib keeps its own API):
   library's ``assign_buckets`` takes them in bucket order; the lab has a ``broadcast_parameters``
   function, the library broadcasts inside ``DistributedDataParallel``'s constructor.
 * lab 04 — the lab gives ``DenseMLP`` (GeLU(X·A)·B without bias) and ``ParallelMLP`` (A
-  column-parallel, B row-parallel); course_lib's own TP MLP is the course model's SwiGLU. These
-  are the lab's classes with course_lib's ColumnParallelLinear and RowParallelLinear inside.
+  column-parallel, B row-parallel); course_lib's own TP MLP is the course model's SwiGLU. The
+  lab's given DenseMLP is used as it is, and ParallelMLP is its forward over course_lib's
+  ColumnParallelLinear and RowParallelLinear.
 
 The adapters load this file by its path in each rank (``tests`` is not a package on the ranks'
 sys.path), so it imports nothing from the test suite.
 """
 
-import torch.nn as nn
-import torch.nn.functional as F
+from pathlib import Path
 
+import torch.nn as nn
+
+from course_lib.grading.adapter import load
 from course_lib.parallel.data.ddp import DistributedDataParallel, assign_buckets
 from course_lib.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -36,25 +39,14 @@ def broadcast_parameters(module: nn.Module, group=None) -> None:
     DistributedDataParallel(module, group=group)
 
 
-class DenseMLP(nn.Module):
-    """Z = GeLU(X·A)·B, the dense reference of the lab (Megatron's Fig. 3a)."""
-
-    def __init__(self, d: int, hidden: int):
-        super().__init__()
-        self.fc1 = nn.Linear(d, hidden, bias=False)
-        self.fc2 = nn.Linear(hidden, d, bias=False)
-
-    def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x)))
+# The lab's DenseMLP is given code, the same in the starter and the solution: use it as it stands.
+DenseMLP = load(Path(__file__).resolve().parents[1] / "labs" / "lab04_tensor_parallel" / "tensor_parallel.py").DenseMLP
 
 
-class ParallelMLP(nn.Module):
-    """Z = g(GeLU(f(X)·A_i)·B_i) with course_lib's column- and row-parallel layers."""
+class ParallelMLP(DenseMLP):
+    """DenseMLP's forward, Z = g(GeLU(f(X)·A_i)·B_i), over course_lib's column- and row-parallel layers."""
 
     def __init__(self, dense: DenseMLP, group):
-        super().__init__()
+        nn.Module.__init__(self)  # not DenseMLP's: the layers come from ``dense``, sharded
         self.fc1 = ColumnParallelLinear.from_dense(dense.fc1, group)
         self.fc2 = RowParallelLinear.from_dense(dense.fc2, group)
-
-    def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x)))

@@ -8,6 +8,7 @@ differences are below 1e-6). The collectives themselves are checked exactly on i
 import pytest
 import torch
 import torch.distributed as dist
+from test_tensor_parallel import CFG, RTOL, dense_model, max_rel_diff  # one model, one tolerance for TP and TP+SP
 
 from course_lib.cost.comm import ring_wire_bytes
 from course_lib.dist import Mesh, launch
@@ -18,13 +19,6 @@ from course_lib.parallel.tensor.comms import all_gather_sequence, reduce_scatter
 from course_lib.parallel.tensor.layers import shard_of
 from course_lib.parallel.tensor.model import TPBlock, TPTransformer
 from course_lib.parallel.tensor.sequence import shard_sequence, sync_sequence_parallel_grads
-
-RTOL = 1e-5
-CFG = configs.get("tiny", n_heads=8, n_kv_heads=4)
-
-
-def max_rel_diff(got, want) -> float:
-    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
 def _primitives():
@@ -48,12 +42,9 @@ def test_sequence_all_gather_and_reduce_scatter_are_exact():
 
 
 def _sp_block_vs_dense(seed: int, sync: bool):
-    mesh = Mesh(tp=dist.get_world_size())
-    group = mesh.group("tp")
-    torch.manual_seed(seed)
-    dense = Transformer(CFG)
     b, s = 2, 16
-    cos, sin = dense.rope_cos[:s], dense.rope_sin[:s]
+    mesh, dense, cos, sin = dense_model(seed, s)
+    group = mesh.group("tp")
     block = TPBlock(dense.layers[0], mesh, sequence_parallel=True)
     x = torch.randn(b, s, CFG.d_model, generator=torch.Generator().manual_seed(seed + 1)).requires_grad_(True)
     dy = torch.randn(b, s, CFG.d_model, generator=torch.Generator().manual_seed(seed + 2))

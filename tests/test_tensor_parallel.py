@@ -50,13 +50,21 @@ def _rank_inputs(seed: int, shape):
 # ------------------------------------------------------------------------------ block vs dense
 
 
-def _block_vs_dense(seed: int):
+def dense_model(seed: int, s: int = 16):
+    """A TP mesh over all ranks, the dense course model from ``seed`` and its rotary tables for ``s`` positions.
+
+    Shared with tests/test_sequence_parallel.py, which checks the same block with sequence parallelism.
+    """
     mesh = Mesh(tp=dist.get_world_size())
-    group = mesh.group("tp")
     torch.manual_seed(seed)
     dense = Transformer(CFG)
+    return mesh, dense, dense.rope_cos[:s], dense.rope_sin[:s]
+
+
+def _block_vs_dense(seed: int):
     b, s = 2, 16
-    cos, sin = dense.rope_cos[:s], dense.rope_sin[:s]
+    mesh, dense, cos, sin = dense_model(seed, s)
+    group = mesh.group("tp")
     block = TPBlock.from_dense(dense.layers[0], mesh)
     weights_equal = all(
         torch.equal(p, shard_of(dense.layers[0].get_parameter(n), p, group)) for n, p in block.named_parameters()

@@ -82,68 +82,63 @@ def _sharded(weight: torch.Tensor, dim: int, group) -> nn.Parameter:
 # ----------------------------------------------------------------------------------- the layers
 
 
-class ColumnParallelLinear(nn.Module):
+class _ShardedLinear(nn.Module):
+    """A bias-free linear whose weight [out, in] is split along ``partition_dim`` over the TP group.
+
+    The two subclasses differ only in that dimension (0: output rows, 1: input columns) and in the
+    collective their forward needs.
+    """
+
+    partition_dim: int
+    split: str  # what the split divides, for the error message
+
+    def __init__(self, in_features: int, out_features: int, group, sequence_parallel: bool = False):
+        super().__init__()
+        group = tp_group(group)
+        t = dist.get_world_size(group)
+        shape = [out_features, in_features]
+        check_divisible(
+            f"{self.split} of a {type(self).__name__} ({in_features} -> {out_features})",
+            shape[self.partition_dim],
+            t,
+            "choose a layer width that is a multiple of it",
+        )
+        shape[self.partition_dim] //= t
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = nn.Parameter(torch.empty(shape))
+        self.weight.partition_dim = self.partition_dim
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, group, sequence_parallel: bool = False):
+        """This rank's slice of a dense ``linear`` (same seed, same numbers: see the module doc)."""
+        if linear.bias is not None:
+            raise ValueError(f"the course model's linears have no bias; {cls.__name__} does not shard one")
+        layer = cls(linear.in_features, linear.out_features, group, sequence_parallel)
+        layer.weight = _sharded(linear.weight, cls.partition_dim, layer.group)
+        return layer
+
+
+class ColumnParallelLinear(_ShardedLinear):
     """Y_i = X·A_iᵀ with A split by output rows: weight [out/t, in]; input replicated, output split.
 
     Its forward applies f itself (or the SP all-gather), so it works alone; inside a block several
     column layers that read one input share one entry through :func:`column_region`.
     """
 
-    def __init__(self, in_features: int, out_features: int, group, sequence_parallel: bool = False):
-        super().__init__()
-        group = tp_group(group)
-        t = dist.get_world_size(group)
-        check_divisible(
-            f"output features of a column-parallel linear ({in_features} -> {out_features})",
-            out_features,
-            t,
-            "choose a layer width that is a multiple of it",
-        )
-        self.in_features, self.out_features = in_features, out_features
-        self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = nn.Parameter(torch.empty(out_features // t, in_features))
-        self.weight.partition_dim = 0
-
-    @classmethod
-    def from_dense(cls, linear: nn.Linear, group, sequence_parallel: bool = False) -> ColumnParallelLinear:
-        if linear.bias is not None:
-            raise ValueError("the course model's linears have no bias; ColumnParallelLinear does not shard one")
-        layer = cls(linear.in_features, linear.out_features, group, sequence_parallel)
-        layer.weight = _sharded(linear.weight, 0, layer.group)
-        return layer
+    partition_dim, split = 0, "output features"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return column_region(x, [self.weight], self.group, self.sequence_parallel)[0]
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ShardedLinear):
     """Y = g(X_i·A_iᵀ) with A split by input columns: weight [out, in/t]; input split, output summed.
 
     With sequence parallelism the sum is a reduce-scatter along the sequence instead of an all-reduce.
     """
 
-    def __init__(self, in_features: int, out_features: int, group, sequence_parallel: bool = False):
-        super().__init__()
-        group = tp_group(group)
-        t = dist.get_world_size(group)
-        check_divisible(
-            f"input features of a row-parallel linear ({in_features} -> {out_features})",
-            in_features,
-            t,
-            "choose a layer width that is a multiple of it",
-        )
-        self.in_features, self.out_features = in_features, out_features
-        self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // t))
-        self.weight.partition_dim = 1
-
-    @classmethod
-    def from_dense(cls, linear: nn.Linear, group, sequence_parallel: bool = False) -> RowParallelLinear:
-        if linear.bias is not None:
-            raise ValueError("the course model's linears have no bias; RowParallelLinear does not shard one")
-        layer = cls(linear.in_features, linear.out_features, group, sequence_parallel)
-        layer.weight = _sharded(linear.weight, 1, layer.group)
-        return layer
+    partition_dim, split = 1, "input features"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = F.linear(x, self.weight)
