@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -110,19 +109,13 @@ def portability(labs_only: bool = False) -> int:
 def test(extra: list[str]) -> int:
     """Unit tests, nbval on every lecture (outputs compared), and every lab's grader both ways.
 
-    Everything the suite and the programs it starts write to a temp folder (torch's compile cache,
-    torchrun's logs, pytest's tmp_path) goes to build/tmp, removed at the end: nothing is left behind.
+    tests/conftest.py points the temp folder of the suite and of every program it starts at
+    build/tmp and removes it at the end, so nothing is left behind (with plain pytest too).
     """
-    tmp = ROOT / "build" / "tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     cmd = nbval_command(*extra)
     cmd.insert(3, "tests")
     print(" ".join(cmd[2:]), flush=True)
-    try:
-        return subprocess.call(cmd, cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp)})
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    return subprocess.call(cmd, cwd=ROOT)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,9 @@
+import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import matplotlib
@@ -14,6 +17,23 @@ import pytest
 # creates that folder but not its parent.
 ROOT = Path(__file__).resolve().parent.parent
 (ROOT / "build").mkdir(exist_ok=True)
+TMP = ROOT / "build" / "tmp"
+
+
+def pytest_configure(config):
+    """The suite's temp folder, and that of every program it starts (torchrun's logs, torch's compile
+    cache, the ranks of ``launch``), is build/tmp: whatever one of them forgets there goes at the end."""
+    shutil.rmtree(TMP, ignore_errors=True)
+    TMP.mkdir()
+    os.environ["TMPDIR"] = str(TMP)  # inherited by every subprocess
+    tempfile.tempdir = None  # this process asks again, and gets TMP
+
+
+def pytest_unconfigure(config):
+    for leftover in TMP.iterdir():
+        # multiprocessing removes its own pymp-* folder when this interpreter exits, after this hook
+        if not leftover.name.startswith("pymp-"):
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
