@@ -98,7 +98,7 @@ def portability(labs_only: bool = False) -> int:
             )
             rows.append((label, f"grade {lab} --solutions", code == 0))
         if not labs_only:
-            code = subprocess.call(nbval_command("-q", "-p", "no:cacheprovider"), cwd=ROOT, env=env)
+            code = subprocess.call(nbval_command("-q"), cwd=ROOT, env=env)
             rows.append((label, "nbval lectures/", code == 0))
     width = max(len(r[0]) for r in rows)
     for label, what, ok in rows:
@@ -110,7 +110,7 @@ def test(extra: list[str]) -> int:
     """Unit tests, nbval on every lecture (outputs compared), and every lab's grader both ways.
 
     tests/conftest.py points the temp folder of the suite and of every program it starts at
-    build/tmp and removes it at the end, so nothing is left behind (with plain pytest too).
+    build/tmp/ and empties it at the end, so nothing is left behind (with plain pytest too).
     """
     cmd = nbval_command(*extra)
     cmd.insert(3, "tests")

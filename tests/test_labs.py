@@ -2,7 +2,6 @@
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,15 +25,21 @@ def test_solutions_score_full_marks(lab):
 
 
 @pytest.mark.parametrize("lab", LABS)
-def test_solutions_score_full_marks_on_a_baseline_cpu_with_one_thread(lab):
+def test_solutions_score_full_marks_on_a_baseline_cpu_with_one_thread(lab, tmp_path):
     """The portability promise in CI: torch's plain scalar kernels and one thread, unlike the developer's CPU.
 
-    The full matrix (default/avx2 × 1/all threads, nbval included) is `./course portability`.
+    Run as a learner runs it, ``./course grade LAB``, with the system's temp folder played by an empty
+    one: the command must leave nothing there. The full matrix (default/avx2 × 1/all threads, nbval
+    included) is `./course portability`.
     """
-    env = {**os.environ, **PORTABILITY_MATRIX[0]}
+    system_temp = tmp_path / "system-temp"
+    system_temp.mkdir()
+    scratch = ROOT / "build" / "tmp"
+    before = set(scratch.glob("course-*"))  # an outer ./course test has its own
+    env = {**os.environ, **PORTABILITY_MATRIX[0], "TMPDIR": str(system_temp)}
     assert env["ATEN_CPU_CAPABILITY"] == "default" and env["OMP_NUM_THREADS"] == "1"
     out = subprocess.run(
-        [sys.executable, "-m", "course_lib.cli", "grade", lab, "--solutions"],
+        [str(ROOT / "course"), "grade", lab, "--solutions"],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -43,8 +48,12 @@ def test_solutions_score_full_marks_on_a_baseline_cpu_with_one_thread(lab):
     )
     assert out.returncode == 0, (
         f"the reference solution of {lab} loses points under ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1: a "
-        f"tolerance is tighter than the rounding it must absorb (derive it from what bounds the error):\n{out.stdout}"
+        f"tolerance is tighter than the rounding it must absorb (derive it from what bounds the error):\n"
+        f"{out.stdout}{out.stderr[-2000:]}"
     )
+    left = sorted(p.name for p in system_temp.iterdir())
+    assert not left, f"./course grade left {left} in the temp folder: the course script must point TMPDIR at build/"
+    assert set(scratch.glob("course-*")) <= before, "./course must remove its build/tmp/course-PID when it ends"
 
 
 @pytest.mark.parametrize("lab", LABS)
