@@ -1,6 +1,6 @@
 """The commands behind ./course (the set-up itself is in that script).
 
-./course lectures [--execute]   ./course test [pytest args]   ./course grade LAB [--solutions]
+./course lectures [--execute [--inplace]]   ./course test [pytest args]   ./course grade LAB [--solutions]
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ LECTURES = ROOT / "lectures"
 BUILD = ROOT / "build" / "lectures"
 
 
-def lectures(execute: bool, port: int | None, folder: Path = LECTURES, build: Path = BUILD) -> int:
+def lectures(
+    execute: bool, port: int | None, folder: Path = LECTURES, build: Path = BUILD, inplace: bool = False
+) -> int:
     if not execute:
         cmd = [sys.executable, "-m", "jupyter", "lab", f"--notebook-dir={folder}"]
         if port:
@@ -38,11 +40,9 @@ def lectures(execute: bool, port: int | None, folder: Path = LECTURES, build: Pa
                 "-m",
                 "jupyter",
                 "nbconvert",
-                "--to",
-                "html",
                 "--execute",
                 "--ExecutePreprocessor.timeout=600",
-                f"--output-dir={build}",
+                *(["--to", "notebook", "--inplace"] if inplace else ["--to", "html", f"--output-dir={build}"]),
                 str(nb),
             ],
             stderr=subprocess.DEVNULL,
@@ -50,7 +50,8 @@ def lectures(execute: bool, port: int | None, folder: Path = LECTURES, build: Pa
         print(f"{nb.name}: {'ok' if code == 0 else 'FAILED'} in {time.monotonic() - start:.0f} s")
         if code:
             failed.append(nb.name)
-    print(f"HTML in {build}" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    where = f"saved in place in {folder}" if inplace else f"HTML in {build}"
+    print(where + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 
 
@@ -123,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("lectures", help="JupyterLab on lectures/ (or --execute them headless)")
     p.add_argument("--execute", action="store_true", help="run every lecture, write HTML to build/lectures/")
+    p.add_argument("--inplace", action="store_true", help="with --execute: save each notebook with its outputs")
     p.add_argument("--port", type=int, help="JupyterLab port")
     p.add_argument("--dir", type=Path, default=LECTURES, help="the notebook folder (default: lectures/)")
     p.add_argument("--build", type=Path, default=BUILD, help="where --execute writes HTML (default: build/lectures/)")
@@ -137,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.chdir(ROOT)
     if args.command == "lectures":
-        return lectures(args.execute, args.port, args.dir.resolve(), args.build.resolve())
+        if args.inplace and not args.execute:
+            parser.error("--inplace saves executed notebooks: use it with --execute")
+        return lectures(args.execute, args.port, args.dir.resolve(), args.build.resolve(), args.inplace)
     if args.command == "test":
         return test(args.pytest_args)
     if args.command == "grade":

@@ -1,10 +1,6 @@
-import multiprocessing.util
-import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import matplotlib
@@ -14,28 +10,7 @@ matplotlib.use("Agg")  # tests draw headless: no window, the same drawing
 import matplotlib.pyplot as plt
 import pytest
 
-# pyproject's --basetemp puts tmp_path under build/ (nothing in the system's temp folder); pytest
-# creates that folder but not its parent.
 ROOT = Path(__file__).resolve().parent.parent
-(ROOT / "build").mkdir(exist_ok=True)
-TMP = ROOT / "build" / "tmp" / f"pytest-{os.getpid()}"
-
-
-def pytest_configure(config):
-    """The suite's temp folder, and that of every program it starts (torchrun's logs, torch's compile
-    cache, the ranks of ``launch``, nbval's kernels), is under build/: what one of them forgets there
-    is removed at the end, and nothing lands in the system's temp folder."""
-    TMP.mkdir(parents=True)
-    os.environ["TMPDIR"] = str(TMP)  # inherited by every subprocess
-    tempfile.tempdir = None  # this process asks again, and gets TMP
-
-
-def pytest_unconfigure(config):
-    # multiprocessing removes this process's own pymp-* folder when the interpreter exits, after this hook
-    own = Path(multiprocessing.util.get_temp_dir())
-    for leftover in TMP.iterdir():
-        if leftover != own:
-            shutil.rmtree(leftover, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -85,3 +85,16 @@ def test_ci_runs_exactly_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
     assert "./course test" in readme and "\n./course test\n" in ci, ".ci/run must call exactly the README's command B"
+
+
+def test_lectures_execute_inplace_saves_the_outputs_in_the_notebook(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(6 * 7)")])
+    path = tmp_path / "01_demo.ipynb"
+    nbformat.write(nb, path)
+    cmd = [sys.executable, "-m", "course_lib.cli", "lectures", "--execute", "--inplace", "--dir", str(tmp_path)]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    saved = nbformat.read(path, as_version=4).cells[0].outputs
+    assert saved and saved[0].text == "42\n", "--inplace must store the executed cell's output in the notebook"
+    refused = subprocess.run(cmd[:4] + ["--inplace"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "use it with --execute" in refused.stderr

@@ -1,0 +1,28 @@
+"""For every pytest run in this repository (tests/ and lectures/ under nbval alike): nothing outside build/.
+
+pyproject's --basetemp puts ``tmp_path`` under build/. The temp folder of the run itself and of every
+program it starts (torchrun's logs, torch's compile cache, the ranks of ``launch``, nbval's kernels,
+which are stopped without the chance to remove their forkserver's socket folder) is
+build/tmp/pytest-PID, emptied at the end.
+"""
+
+import multiprocessing.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+TMP = ROOT / "build" / "tmp" / f"pytest-{os.getpid()}"
+
+
+def pytest_configure(config):
+    TMP.mkdir(parents=True)
+    os.environ["TMPDIR"] = str(TMP)  # inherited by every subprocess and kernel
+    tempfile.tempdir = None  # this process asks again, and gets TMP
+
+
+def pytest_unconfigure(config):
+    # Not now: multiprocessing removes this interpreter's own pymp-* folder in TMP at exit, with a
+    # finalizer of priority -100; one of priority -101 runs after it and removes the rest.
+    multiprocessing.util.Finalize(None, shutil.rmtree, args=(TMP,), kwargs={"ignore_errors": True}, exitpriority=-101)
