@@ -1,4 +1,6 @@
-"""For every pytest run in this repository (tests/ and lectures/ under nbval alike): nothing outside build/.
+"""For every pytest run in this repository (tests/ and lectures/ under nbval alike).
+
+Nothing outside build/, and the lectures' exercises answered by their references.
 
 pyproject's --basetemp puts ``tmp_path`` under build/. The temp folder of the run itself and of every
 program it starts (torchrun's logs, torch's compile cache, the ranks of ``launch``, nbval's kernels,
@@ -20,6 +22,8 @@ def pytest_configure(config):
     TMP.mkdir(parents=True)
     os.environ["TMPDIR"] = str(TMP)  # inherited by every subprocess and kernel
     tempfile.tempdir = None  # this process asks again, and gets TMP
+    # nbval runs the lectures with the exercises' reference answers (course_lib/grading/exercises.py)
+    os.environ["COURSE_REFERENCE_ANSWERS"] = "1"
 
 
 def pytest_unconfigure(config):

@@ -31,6 +31,8 @@ def lectures(
         # Become JupyterLab (same process): stopping this command stops the server, no orphan is left.
         os.execv(sys.executable, cmd)
     build.mkdir(parents=True, exist_ok=True)
+    # headless runs execute the exercises' reference answers (course_lib.grading.exercises): every cell runs
+    env = {**os.environ, "COURSE_REFERENCE_ANSWERS": "1"}
     failed = []
     for nb in sorted(folder.glob("*.ipynb")):
         start = time.monotonic()
@@ -46,6 +48,7 @@ def lectures(
                 str(nb),
             ],
             stderr=subprocess.DEVNULL,
+            env=env,
         )
         print(f"{nb.name}: {'ok' if code == 0 else 'FAILED'} in {time.monotonic() - start:.0f} s")
         if code:

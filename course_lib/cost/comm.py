@@ -5,12 +5,21 @@ Every formula here is set beside a measurement from :mod:`course_lib.dist.counte
 * ZeRO (Rajbhandari et al. 2020, §7): :func:`paper_comm_volume`, :func:`zero_comm_bytes`;
 * ring collectives (lab 01): :func:`ring_wire_bytes` turns counted payloads into wire bytes;
 * ring attention and Ulysses (lecture 03): :func:`ring_comm_bytes`, :func:`ulysses_comm_bytes`;
-* 2D/2.5D/3D tensor parallel matmuls (lecture 02): :func:`comm_elements`.
+* 1D/2D/2.5D/3D tensor parallel matmuls (lecture 02): :func:`comm_elements` (payload, what the
+  counter records), :func:`tp_received_elements` (what a device receives), :func:`received_bytes`
+  (counted payloads turned into received bytes);
+* DDP's overlap (lecture 02): :func:`ring_all_reduce_seconds` (the alpha-beta model) and
+  :func:`ddp_step_timeline` (a modelled step, buckets all-reduced after or during backward);
+* the bucket-size trade-off (lecture 02): :func:`fit_alpha_beta` (α, β from measured all-reduces),
+  :func:`bucketed_all_reduce_seconds`;
+* 1D tensor parallelism's share of communication as its degree grows (lecture 02):
+  :func:`tp_block_comm_share`.
 """
 
 from __future__ import annotations
 
 from course_lib.cost.memory import check_zero_args
+from course_lib.dist.trace import Span
 
 
 def paper_comm_volume(stage: int) -> int:
@@ -35,6 +44,17 @@ def zero_comm_bytes(n_params: int, dp_size: int, stage: int, bytes_per_element: 
     return paper_comm_volume(stage) * (dp_size - 1) / dp_size * n_params * bytes_per_element
 
 
+def _ring_factors(n: int) -> dict[str, float]:
+    """Bytes a rank sends (and receives) per byte of counted payload, for each ring collective in a group of n."""
+    return {
+        "all_reduce": 2 * (n - 1) / n,
+        "reduce_scatter_single": (n - 1) / n,
+        "reduce_scatter_tensor": (n - 1) / n,
+        "all_gather_single": n - 1,
+        "all_gather_into_tensor": n - 1,
+    }
+
+
 def ring_wire_bytes(counts: dict, group_size: int, group: str | None = None) -> float:
     """Per-rank bytes on the wire, with ring algorithms, for counts from :mod:`course_lib.dist.counter`.
 
@@ -43,14 +63,7 @@ def ring_wire_bytes(counts: dict, group_size: int, group: str | None = None) -> 
     this rank's shard of an all-gather. A ring sends 2(N-1)/N of an all-reduce's payload,
     (N-1)/N of a reduce-scatter's input and (N-1) times an all-gather's shard.
     """
-    n = group_size
-    factor = {
-        "all_reduce": 2 * (n - 1) / n,
-        "reduce_scatter_single": (n - 1) / n,
-        "reduce_scatter_tensor": (n - 1) / n,
-        "all_gather_single": n - 1,
-        "all_gather_into_tensor": n - 1,
-    }
+    factor = _ring_factors(group_size)
     total = 0.0
     for key, entry in counts.items():
         op, grp = key.split("@")
@@ -112,7 +125,11 @@ def ulysses_comm_bytes(
 
 
 def comm_elements(scheme: str, b: int, h: int, n: int, p: int, d: int = 1) -> float:
-    """Payload elements per device for one forward Y = X·W under ``scheme`` (see module docstring)."""
+    """Payload elements per device for one forward Y = X·W under ``scheme``: what the counter records.
+
+    Payload is not traffic (a broadcast's root counts its block too, an all-gather counts only the
+    rank's shard): to compare schemes use :func:`tp_received_elements`.
+    """
     if scheme == "1d":
         return b * n
     if scheme == "2d":
@@ -127,6 +144,165 @@ def comm_elements(scheme: str, b: int, h: int, n: int, p: int, d: int = 1) -> fl
         q = grid_side(p, 3, "3d")
         return (b * h + h * n) / q**3 + b * n / q**2
     raise ValueError(f"unknown scheme {scheme!r}: use '1d', '2d', '2.5d' or '3d'")
+
+
+def tp_received_elements(scheme: str, b: int, h: int, n: int, p: int, d: int = 1) -> float:
+    """Elements one device receives for one forward Y = X·W (X [b, h], W [h, n]) on p devices.
+
+    The same quantity for every scheme, with ring all-reduce and reduce-scatter and any broadcast
+    (a non-root receives the block once, whatever the algorithm):
+
+    * 1D (Megatron row parallel, Shoeybi et al. 2019 §3): all-reduce of the [b, n] output,
+      2(p-1)/p · bn; it does not fall with p.
+    * 2D (SUMMA; Optimus, Xu et al. 2021), p = q²: in q steps a device receives the q-1 blocks of X
+      of its grid row and the q-1 blocks of W of its grid column: (q-1)(bh + hn)/q².
+    * 2.5D (Tesseract, Wang et al. 2021), p = d·q²: SUMMA on a b/d slice: (q-1)(bh/d + hn)/q².
+    * 3D (Bian et al. 2021), p = q³: all-gathers of X and W shards, (q-1)(bh + hn)/q³, and a ring
+      reduce-scatter of the [b/q, n/q] partial product, (q-1)/q · bn/q²: (q-1)(bh + hn + bn)/q³.
+
+    :func:`received_bytes` derives the same from counted payloads (tests/test_lecture02.py).
+    """
+    if scheme == "1d":
+        return 2 * (p - 1) / p * b * n
+    if scheme == "2d":
+        q = grid_side(p, 2, "2d")
+        return (q - 1) * (b * h + h * n) / q**2
+    if scheme == "2.5d":
+        if p % d:
+            raise ValueError(f"2.5D tensor parallel needs p = d·q²: depth d={d} does not divide p={p}")
+        q = grid_side(p // d, 2, "2.5d")
+        return (q - 1) * (b * h / d + h * n) / q**2
+    if scheme == "3d":
+        q = grid_side(p, 3, "3d")
+        return (q - 1) * (b * h + h * n + b * n) / q**3
+    raise ValueError(f"unknown scheme {scheme!r}: use '1d', '2d', '2.5d' or '3d'")
+
+
+def received_bytes(counts: dict, group_size: int) -> float:
+    """Bytes one rank receives, from counted payloads (``CommCounter.as_dict()``) in groups of ``group_size``.
+
+    Ring all-reduce: 2(N-1)/N of the payload; ring reduce-scatter: (N-1)/N of the input; all-gather:
+    the N-1 other shards, (N-1) × the rank's shard (any algorithm). Broadcast: a non-root receives
+    the whole block, the root nothing; the counter does not record the root, so the factor (N-1)/N
+    holds for a sequence of broadcasts in which every member of the group is root equally often —
+    as in SUMMA, where each rank is root once in its row and once in its column per matmul.
+    """
+    # in a ring every rank receives what it sends; a broadcast adds the non-roots' share
+    factor = {**_ring_factors(group_size), "broadcast": (group_size - 1) / group_size}
+    total = 0.0
+    for key, entry in counts.items():
+        op = key.split("@")[0]
+        if op not in factor:
+            raise ValueError(f"received_bytes knows {sorted(factor)}; the counts also hold {op!r}")
+        total += factor[op] * entry["bytes"]
+    return total
+
+
+def ring_all_reduce_seconds(nbytes: float, world_size: int, alpha: float, beta: float) -> float:
+    """Alpha-beta time of a ring all-reduce of ``nbytes``: 2(N-1) steps of α + (nbytes/N)·β.
+
+    α: seconds of fixed cost per message; β: seconds per byte (1 / link bandwidth). The ring's
+    reduce-scatter and all-gather each take N-1 steps moving 1/N of the buffer (Thakur et al. 2005;
+    lab 01).
+    """
+    n = world_size
+    if n == 1:
+        return 0.0
+    return 2 * (n - 1) * (alpha + nbytes / n * beta)
+
+
+def fit_alpha_beta(nbytes: list[float], seconds: list[float], world_size: int) -> tuple[float, float]:
+    """Least-squares α, β ≥ 0 so that :func:`ring_all_reduce_seconds` fits measured all-reduce times.
+
+    The model is linear in (α, β): t = 2(N-1)·α + 2(N-1)/N·S·β. A negative α (noise on small
+    messages) is clipped to 0 and β refitted alone.
+    """
+    n = world_size
+    xs = [2 * (n - 1) / n * s for s in nbytes]
+    c, k = 2 * (n - 1), len(xs)
+    mx, my = sum(xs) / k, sum(seconds) / k
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        raise ValueError("fit_alpha_beta needs at least two different message sizes")
+    beta = sum((x - mx) * (y - my) for x, y in zip(xs, seconds)) / sxx
+    alpha = (my - beta * mx) / c
+    if alpha < 0:
+        alpha, beta = 0.0, sum(x * y for x, y in zip(xs, seconds)) / sum(x * x for x in xs)
+    return alpha, max(beta, 0.0)
+
+
+def bucketed_all_reduce_seconds(
+    total_bytes: int, bucket_bytes: int, world_size: int, alpha: float, beta: float
+) -> float:
+    """All-reduce ``total_bytes`` as consecutive ring all-reduces of ``bucket_bytes`` (the last one smaller).
+
+    Each bucket pays the ring's 2(N-1)·α again, the bytes cost the same in total: small buckets are
+    all latency, one big bucket cannot start before the whole backward is done (Li et al. 2020, §3.2).
+    """
+    full, rest = divmod(total_bytes, bucket_bytes)
+    sizes = [bucket_bytes] * full + ([rest] if rest else [])
+    return sum(ring_all_reduce_seconds(s, world_size, alpha, beta) for s in sizes)
+
+
+def ddp_step_timeline(
+    bucket_bytes: list[int],
+    backward_seconds: list[float],
+    forward_seconds: float,
+    optimizer_seconds: float,
+    world_size: int,
+    alpha: float,
+    beta: float,
+    overlap: bool,
+) -> list[Span]:
+    """One modelled DDP step on one rank, as spans that ``plots.data_parallel.ddp_timeline`` draws.
+
+    ``bucket_bytes[k]`` is bucket k in launch order; ``backward_seconds[k]`` the autograd time that
+    produces its gradients. One communication channel: bucket k starts when it is complete (with
+    ``overlap``; after the whole backward without) and when bucket k-1 has finished. The optimizer
+    runs once autograd and every all-reduce are done (Li et al. 2020, DDP's overlap).
+    """
+    if len(bucket_bytes) != len(backward_seconds):
+        raise ValueError("one backward time per bucket: backward_seconds[k] produces bucket k")
+    spans = [Span("forward", "compute", 0.0, forward_seconds)]
+    t, ready = forward_seconds, []
+    for seconds in backward_seconds:
+        t += seconds
+        ready.append(t)
+    backward_end = t
+    spans.append(Span("backward", "compute", forward_seconds, backward_end))
+    free = 0.0
+    for k, nbytes in enumerate(bucket_bytes):
+        start = max(ready[k] if overlap else backward_end, free)
+        free = start + ring_all_reduce_seconds(nbytes, world_size, alpha, beta)
+        spans.append(Span("all_reduce", "comm", start, free, {"bucket": k, "bytes": nbytes}))
+    if free > backward_end:
+        spans.append(Span("ddp.wait", "compute", backward_end, free))
+    end = max(free, backward_end)
+    spans.append(Span("optimizer", "compute", end, end + optimizer_seconds))
+    return spans
+
+
+def tp_block_comm_share(
+    tokens: int,
+    hidden: int,
+    seq_len: int,
+    tp_size: int,
+    flops_per_second: float,
+    alpha: float,
+    beta: float,
+    bytes_per_element: int = 2,
+) -> dict:
+    """Forward of one transformer block under Megatron 1D TP: compute and communication seconds per rank.
+
+    Compute: 24·T·h²·(1 + s/(6h)) FLOPs for T tokens of sequence length s (Narayanan et al. 2021,
+    §5.1: the four h×h projections and the 4h MLP, plus attention scores), split over t ranks.
+    Communication: the two g all-reduces of a [T, h] activation (Shoeybi et al. 2019, §3), each a
+    ring all-reduce (:func:`ring_all_reduce_seconds`); nothing overlapped. Returns
+    {"compute_s", "comm_s", "share"}, share = comm / (comm + compute).
+    """
+    compute = 24 * tokens * hidden**2 * (1 + seq_len / (6 * hidden)) / tp_size / flops_per_second
+    comm = 2 * ring_all_reduce_seconds(tokens * hidden * bytes_per_element, tp_size, alpha, beta)
+    return {"compute_s": compute, "comm_s": comm, "share": comm / (comm + compute)}
 
 
 def grid_side(p: int, k: int, scheme: str) -> int:

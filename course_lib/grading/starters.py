@@ -33,6 +33,7 @@ BEGIN = re.compile(r"^(\s*)# BEGIN SOLUTION\s*(.*)$")
 END = re.compile(r"^\s*# END SOLUTION\s*$")
 STUB = re.compile(r"^\s*# STUB: ?(.*)$")
 SKIP = {"__pycache__", ".ipynb_checkpoints"}
+NOT_A_LAB = {"lectures"}  # solutions/lectures/: the lectures' reference answers (grading/exercises.py)
 TEXT = {".md", ".yaml", ".yml", ".json", ".txt", ".cfg", ".toml"}
 
 
@@ -84,7 +85,7 @@ def generate(solutions: Path, labs: Path) -> None:
     if labs.exists():
         shutil.rmtree(labs)
     for src in sorted(solutions.rglob("*")):
-        if src.is_dir() or SKIP & set(src.parts):
+        if src.is_dir() or SKIP & set(src.parts) or src.relative_to(solutions).parts[0] in NOT_A_LAB:
             continue
         dst = labs / src.relative_to(solutions)
         dst.parent.mkdir(parents=True, exist_ok=True)

@@ -6,4 +6,8 @@ For lectures, tests and benchmarks only: no algorithm imports this package.
 * :mod:`~course_lib.measure.activations`     — bytes autograd saves for one layer's backward
 * :mod:`~course_lib.measure.tensor_parallel` — collectives of one TP / TP+SP block
 * :mod:`~course_lib.measure.ddp`             — one traced DDP step, for the overlap timeline
+* :mod:`~course_lib.measure.allreduce`       — timed ring all-reduces, single and bucketed, against the alpha-beta model
+* :mod:`~course_lib.measure.context_parallel` — one traced ring attention, for its overlap timeline
+* :mod:`~course_lib.measure.flops`           — counted matmul FLOPs of a step, step time, this machine's matmul peak
+* :mod:`~course_lib.measure.step_memory`     — bytes held after each phase of one training step
 """

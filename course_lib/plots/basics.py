@@ -4,6 +4,7 @@
     timeline([spans_rank0, spans_rank1, ...])                        per-rank Gantt chart of trace spans
     number_line({"fp4_e2m1": values, ...})                           where a format's values lie
     bars({"SGD": 0, "Adam": 8, ...}, ylabel="bytes per parameter")   one labelled bar per entry
+    memory_timeline({"start": {"parameters": b, ...}, ...})          stacked bytes held, phase by phase
 
 Each returns the ``matplotlib.axes.Axes`` it drew on (a new figure when ``ax`` is None), so a
 lecture can add to it and a test can read back what was drawn. Nothing here calls ``plt.show()``:
@@ -18,7 +19,7 @@ import matplotlib.pyplot as plt
 
 from course_lib.plots.common import KIND_COLORS, axes
 
-__all__ = ["KIND_COLORS", "bars", "loss_curves", "number_line", "timeline"]
+__all__ = ["KIND_COLORS", "bars", "loss_curves", "memory_timeline", "number_line", "timeline"]
 
 
 def loss_curves(
@@ -190,6 +191,42 @@ def bars(
     container = ax.bar(labels, heights, color="tab:blue")
     ax.bar_label(container, labels=[fmt.format(h) for h in heights], fontsize=8)
     ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    return ax
+
+
+def memory_timeline(
+    phases: Mapping[str, Mapping[str, float]],
+    ax=None,
+    unit: float = 2**20,
+    unit_name: str = "MiB",
+    title: str | None = None,
+    figsize=(7.0, 3.4),
+):
+    """One stacked bar per phase of a training step, one colour per kind of memory.
+
+    ``phases`` maps a phase ("after forward", ...) to {kind: bytes}, e.g. what
+    ``course_lib.measure.step_memory.training_step_memory`` returns; every phase names the same
+    kinds. Heights are divided by ``unit`` (MiB by default); the total is written on top.
+    """
+    if not phases:
+        raise ValueError("memory_timeline needs at least one phase, e.g. {'start': {'parameters': 4096}}")
+    kinds = list(next(iter(phases.values())))
+    if any(list(kinds_) != kinds for kinds_ in phases.values()):
+        raise ValueError(f"every phase must name the same kinds, in the same order: {kinds}")
+    ax = axes(ax, figsize)
+    labels = list(phases)
+    bottom = [0.0] * len(labels)
+    for kind in kinds:
+        heights = [float(phases[p][kind]) / unit for p in labels]
+        ax.bar(labels, heights, bottom=bottom, label=kind)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    for i, total in enumerate(bottom):
+        ax.text(i, total, f"{total:.2f}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(labels)), [label.replace(" ", "\n") for label in labels])  # long phase names stack
+    ax.set_ylabel(f"bytes held ({unit_name})")
+    ax.legend(fontsize=8)
     if title:
         ax.set_title(title)
     return ax

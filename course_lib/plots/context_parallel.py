@@ -3,6 +3,7 @@
     causal_work_grid(chunk_owners(4))                    which rank computes each unmasked chunk pair
     work_per_rank({"contiguous": [...], "zigzag": [...]})  grouped bars of work per rank, mean dashed
     memory_vs_length([8192, ...], {"ring, N=8": [...]})     bytes per rank against sequence length, log-log
+    ring_timeline([spans_rank0, ...])                       block compute and K/V transfers per rank, from a trace
 
 Same conventions as :mod:`course_lib.plots.basics`: each function draws on ``ax`` (a new figure when it is
 None), returns the ``Axes`` so a lecture can add to it and a test can read back what was drawn, and
@@ -16,9 +17,11 @@ from collections.abc import Mapping, Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 
-from course_lib.plots.common import axes
+from course_lib.plots.common import axes, span_bar, timeline_frame
 
-__all__ = ["causal_work_grid", "memory_vs_length", "work_per_rank"]
+__all__ = ["causal_work_grid", "comm_intervals", "memory_vs_length", "ring_timeline", "work_per_rank"]
+
+RING_COLORS = {"ring.forward block": "tab:blue", "ring.backward block": "tab:cyan", "ring.dkv hop": "tab:red"}
 
 
 def causal_work_grid(owners: Sequence[int], ax=None, title: str | None = None, figsize=(3.6, 3.4)):
@@ -126,4 +129,59 @@ def memory_vs_length(
         ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
+    return ax
+
+
+def comm_intervals(spans) -> list[tuple[float, float]]:
+    """The union of a rank's "comm" spans, as sorted disjoint (start, end): when a transfer was in flight.
+
+    Ring attention posts the sends and receives of a step together (K and V, to the right and from
+    the left), so their spans overlap; the union is the time from posting a block to having it. Spans
+    that only touch (a step waits, the next one posts) stay apart: one interval per step.
+    """
+    merged: list[list[float]] = []
+    for start, end in sorted((s.start, s.end) for s in spans if s.kind == "comm"):
+        if merged and start < merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def ring_timeline(
+    spans_per_rank: Sequence[Sequence],
+    ax=None,
+    title: str | None = None,
+    unit: str = "ms",
+    origin: float | None = None,
+    figsize=(8.0, 2.8),
+):
+    """Two lanes per rank: each ring step's block compute above, the K/V transfers in flight below.
+
+    Spans come from ``course_lib.dist.trace.record()`` around ring attention: "ring.forward block" and
+    "ring.backward block" compute spans (``course_lib.parallel.context.ring_attention`` records them),
+    a "ring.dkv hop" span where the backward passes dK/dV on and waits for them at once (drawn on the
+    upper lane: the rank does nothing else meanwhile), and a "comm" span for every isend/irecv, from
+    posting to the ``wait()`` that returns it. A transfer bar under a compute bar is hidden behind that
+    compute; a transfer bar with nothing above it is time the rank spent only waiting for data.
+    """
+    ax, t0, scale = timeline_frame(spans_per_rank, ax, unit, origin, figsize, "ring_timeline")
+    n = len(spans_per_rank)
+    ticks, labels = [], []
+    for rank, spans in enumerate(spans_per_rank):
+        base = 2.2 * (n - 1 - rank)  # rank 0 on top
+        for s in spans:
+            if s.name in RING_COLORS:
+                span_bar(ax, s.start, s.end, t0, scale, (base + 1.0, 0.8), RING_COLORS[s.name])
+        bars = [((a - t0) * scale, (b - a) * scale) for a, b in comm_intervals(spans)]
+        ax.broken_barh(bars, (base + 0.1, 0.8), facecolors="tab:orange", edgecolor="black", linewidth=0.2)
+        ticks += [base + 1.4, base + 0.5]
+        labels += [f"rank {rank} compute", f"rank {rank} in flight"]
+    ax.set_yticks(ticks, labels, fontsize=7)
+    ax.set_xlabel(f"time ({unit})")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in (*RING_COLORS.values(), "tab:orange")]
+    names = ["forward block", "backward block", "dK/dV hop (waited at once)", "send/recv posted, not yet waited for"]
+    ax.legend(handles, names, fontsize=6, loc="upper left", ncol=4, bbox_to_anchor=(0, -0.3))
+    if title:
+        ax.set_title(title, fontsize=9)
     return ax

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 
-from course_lib.plots.common import axes
+from course_lib.plots.common import axes, span_bar, timeline_frame
 
 __all__ = ["compute_segments", "ddp_timeline", "measured_vs_formula"]
 
@@ -54,35 +54,19 @@ def ddp_timeline(
     moment the collective actually completed (``course_lib.parallel.data.ddp`` records it), the bar ends there.
     Bars are labelled with their bucket number (``meta["bucket"]``) when there is one.
     """
-    if not spans_per_rank or not any(spans_per_rank):
-        raise ValueError("ddp_timeline got no spans: return tl.spans from each rank of a traced step")
-    scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[unit]
-    t0 = origin if origin is not None else min(s.start for spans in spans_per_rank for s in spans)
-    ax = axes(ax, figsize)
+    ax, t0, scale = timeline_frame(spans_per_rank, ax, unit, origin, figsize, "ddp_timeline")
     n = len(spans_per_rank)
     ticks, labels = [], []
     for rank, spans in enumerate(spans_per_rank):
         base = 2.5 * (n - 1 - rank)  # rank 0 on top
         for name, start, end in compute_segments(spans):
-            ax.broken_barh(
-                [((start - t0) * scale, (end - start) * scale)],
-                (base + 1.0, 0.8),
-                facecolors=COMPUTE_COLORS.get(name, "tab:purple"),
-                edgecolor="black",
-                linewidth=0.3,
-            )
+            span_bar(ax, start, end, t0, scale, (base + 1.0, 0.8), COMPUTE_COLORS.get(name, "tab:purple"))
         comms = [s for s in spans if s.kind == "comm"]
         height = 0.9 / max(1, len(comms))  # one thin row per collective, first at the top: a staircase
         for k, s in enumerate(comms):
             end = s.meta.get("done", s.end)
             lane = base + 0.9 - (k + 1) * height
-            ax.broken_barh(
-                [((s.start - t0) * scale, (end - s.start) * scale)],
-                (lane, height * 0.85),
-                facecolors="tab:orange",
-                edgecolor="black",
-                linewidth=0.2,
-            )
+            span_bar(ax, s.start, end, t0, scale, (lane, height * 0.85), "tab:orange", width=0.2)
             if "bucket" in s.meta:
                 ax.text(
                     (s.start - t0) * scale,

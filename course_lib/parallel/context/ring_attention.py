@@ -41,6 +41,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from course_lib.dist import trace
+
 LAYOUTS = ("zigzag", "contiguous")
 
 # ------------------------------------------------------------------------------------- layout
@@ -229,10 +231,11 @@ class RingAttention(torch.autograd.Function):
             if plan is not None:
                 qs, m, ks, n, causal = plan
                 mine, theirs = (lambda t, qs=qs, m=m: t.narrow(-2, qs, m)), (lambda t, ks=ks, n=n: t.narrow(-2, ks, n))
-                o, block_lse = block_attention(mine(q), theirs(kv[0]), theirs(kv[1]), causal)
-                o, block_lse = merge_partials(mine(out), lse.narrow(-1, qs, m), o, block_lse)
-                mine(out).copy_(o)
-                lse.narrow(-1, qs, m).copy_(block_lse)
+                with trace.span("ring.forward block", step=step):  # for timelines; free unless recording
+                    o, block_lse = block_attention(mine(q), theirs(kv[0]), theirs(kv[1]), causal)
+                    o, block_lse = merge_partials(mine(out), lse.narrow(-1, qs, m), o, block_lse)
+                    mine(out).copy_(o)
+                    lse.narrow(-1, qs, m).copy_(block_lse)
             _count(stats, plan, length // 2 if length % 2 == 0 else 0)
             if pending is not None:
                 kv = pending()
@@ -254,15 +257,17 @@ class RingAttention(torch.autograd.Function):
             if plan is not None:
                 qs, m, ks, n, causal = plan
                 mine, theirs = (lambda t, qs=qs, m=m: t.narrow(-2, qs, m)), (lambda t, ks=ks, n=n: t.narrow(-2, ks, n))
-                gq, gk, gv = block_attention_backward(
-                    mine(dout), mine(q), theirs(kv[0]), theirs(kv[1]), mine(out), lse.narrow(-1, qs, m), causal
-                )
-                mine(dq).add_(gq)
-                theirs(dkv[0]).add_(gk)
-                theirs(dkv[1]).add_(gv)
+                with trace.span("ring.backward block", step=step):
+                    gq, gk, gv = block_attention_backward(
+                        mine(dout), mine(q), theirs(kv[0]), theirs(kv[1]), mine(out), lse.narrow(-1, qs, m), causal
+                    )
+                    mine(dq).add_(gq)
+                    theirs(dkv[0]).add_(gk)
+                    theirs(dkv[1]).add_(gv)
             # Block src's gradient is complete only now, so this hop cannot overlap the compute above.
             if ring.size > 1:  # block src's gradient moves on with it; after the N-th hop it is home
-                dkv = ring.start(dkv, tag=1)()
+                with trace.span("ring.dkv hop", kind="comm"):
+                    dkv = ring.start(dkv, tag=1)()
             if pending is not None:
                 kv = pending()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None

@@ -21,10 +21,15 @@ Notation: X is [b, h] (b = tokens of the micro-batch), W is [h, n], Y = X·W is 
   reduce-scatter: shards of bh/q³ and hn/q³ in, bn/q² reduced: (bh + hn)/q³ + bn/q² payload.
   What a device *receives* is (q-1)/q · (bh + hn + bn)/q², i.e. O(p^(-2/3)).
 
-"Elements" below are the payloads the counter records per device for one forward matmul (see
-counter.py: a broadcast counts its block on every rank, root included; all-gather counts the rank's
-shard; reduce-scatter its input). 1D is given for comparison as Megatron's row-parallel matmul,
-whose [b, n] output is all-reduced: b·n, whatever the number of devices.
+* **1D** (Megatron, Shoeybi et al. 2019), for comparison: :func:`matmul_1d` is the row-parallel
+  matmul, h split p ways and the partial [b, n] products all-reduced: 2(p-1)/p·bn received per
+  device with a ring, whatever p is.
+
+The counter records payloads per device (counter.py: a broadcast counts its block on every rank,
+root included; all-gather counts the rank's shard; reduce-scatter its input), which
+:func:`course_lib.cost.comm.comm_elements` predicts. The quantity to compare schemes by is what a
+device *receives*: :func:`course_lib.cost.comm.tp_received_elements`, and
+:func:`course_lib.cost.comm.received_bytes` derives it from the counted payloads.
 """
 
 from __future__ import annotations
@@ -77,6 +82,19 @@ def summa(x_block: torch.Tensor, w_block: torch.Tensor, q: int, offset: int = 0)
     return y
 
 
+def matmul_1d(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Megatron's row-parallel matmul on p ranks: X split along h, W along its rows, Y all-reduced.
+
+    Returns the full Y on every rank (the all-reduce already assembles it).
+    """
+    p = dist.get_world_size()
+    _check_split("h", x.shape[1], p)
+    r = dist.get_rank()
+    y = x.tensor_split(p, dim=1)[r] @ w.tensor_split(p, dim=0)[r]  # a partial sum of Y
+    dist.all_reduce(y)
+    return y
+
+
 def matmul_2d(x: torch.Tensor, w: torch.Tensor, assemble: bool = True) -> torch.Tensor:
     """Every rank passes the full X and W (for the demo) and takes its blocks; returns the full Y
     gathered from all blocks, or with ``assemble=False`` only this rank's block (what is counted)."""
@@ -125,7 +143,7 @@ def matmul_3d(x: torch.Tensor, w: torch.Tensor, assemble: bool = True) -> torch.
     w_lj = torch.cat(w_parts.chunk(q, dim=0), dim=1)  # the shards were split along n
     partial = x_il @ w_lj  # [b/q, n/q], to be summed over l
     y_shard = torch.empty(partial.shape[0] // q, partial.shape[1], dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(y_shard, partial.contiguous(), group=along_l)
+    dist.reduce_scatter_single(y_shard, partial.contiguous(), group=along_l)
     if not assemble:
         return y_shard
     # y_shard is rows l of block Y_ij; gather the whole Y to check it (not part of the algorithm).

@@ -1,0 +1,155 @@
+"""The lectures' exercises: a placeholder in the notebook, a check that fails with a hint until the
+answer is right, and the reference answer in ``solutions/lectures/answers.py``.
+
+An exercise cell defines the learner's answer and passes it through :func:`answer`::
+
+    def model_state_gb(psi, n, stage):
+        todo("model_state_gb")          # your code replaces this line
+
+    model_state_gb = answer("model_state_gb", model_state_gb)
+
+For a learner :func:`answer` returns their own object, and the check in the next cell raises an
+``AssertionError`` that says what to look at until it is right. When ``COURSE_REFERENCE_ANSWERS=1``
+(set for every pytest run by the root ``conftest.py``, so nbval executes the lectures with it, and by
+``./course lectures --execute``) it returns the reference answer instead: the stored outputs come
+from the reference, and the suite proves both directions — placeholder fails, reference passes
+(``tests/test_exercises.py``).
+
+The checks live here, not in the notebooks, so that the test suite can call them too. A check takes
+the learner's answer and, where the answer is compared with a measurement, that measurement.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from course_lib.cost.memory import zero_model_state_bytes
+from course_lib.grading.adapter import load
+
+ROOT = Path(__file__).resolve().parents[2]
+ANSWERS = ROOT / "solutions" / "lectures" / "answers.py"
+ENV = "COURSE_REFERENCE_ANSWERS"
+
+
+class NotAnswered(NotImplementedError):
+    """Raised by a placeholder: the exercise has not been answered yet."""
+
+
+def todo(exercise: str):
+    """The placeholder of an exercise's function body."""
+    raise NotAnswered(f"exercise {exercise!r}: not answered yet — replace the todo(...) line with your code")
+
+
+def answer(name: str, mine):
+    """``mine``, or the reference answer ``name`` of solutions/lectures/answers.py when $COURSE_REFERENCE_ANSWERS=1."""
+    if os.environ.get(ENV) == "1":
+        return getattr(load(ANSWERS), name)
+    return mine
+
+
+def _call(exercise: str, fn, *args):
+    """Call the learner's function; a placeholder (or no answer at all) becomes a failed check with a hint."""
+    if fn is None:
+        raise AssertionError(f"exercise {exercise!r}: not answered yet — assign your answer in the cell above")
+    try:
+        return fn(*args)
+    except NotAnswered as e:
+        raise AssertionError(str(e)) from None
+
+
+# -------------------------------------------------------------------------- lecture 01: AdamW
+
+
+def check_adamw_step(my_adamw_step) -> str:
+    """20 steps of the learner's in-place AdamW against ``torch.optim.AdamW``.
+
+    Tolerance 1e-6 relative (1e-7 absolute): a correct formula written in another order than torch's
+    (``beta1 * m + (1 - beta1) * g`` instead of ``m.lerp_(g, 1 - beta1)``) differs by a few fp32 ulps
+    per step (eps = 1.2e-7), 20 steps by ~20 ulps at worst; a wrong formula (coupled decay, a missing
+    bias correction, eps inside the square root) is off by 1e-3 or more.
+    """
+    gen = torch.Generator().manual_seed(0)
+    p_mine = torch.randn(32, 16, generator=gen)
+    p_torch = torch.nn.Parameter(p_mine.clone())
+    ref = torch.optim.AdamW([p_torch], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    m, v = torch.zeros_like(p_mine), torch.zeros_like(p_mine)
+    for t in range(1, 21):
+        # gradients over five orders of magnitude: a misplaced eps or bias correction shows somewhere
+        grad = torch.randn(32, 16, generator=gen) * 10 ** torch.randint(-3, 2, (32, 16), generator=gen)
+        _call("my_adamw_step", my_adamw_step, p_mine, grad, m, v, t, 1e-2, 0.9, 0.99, 1e-8, 0.1)
+        p_torch.grad = grad.clone()
+        ref.step()
+    torch.testing.assert_close(
+        p_mine,
+        p_torch.detach(),
+        rtol=1e-6,
+        atol=1e-7,
+        msg=lambda s: (
+            "your AdamW step disagrees with torch.optim.AdamW. Is the decay decoupled (θ·(1 − ηλ) "
+            "before the update)? Are both moments bias-corrected with step t? Is eps added after the square root? " + s
+        ),
+    )
+    return "AdamW exercise: your update matches torch.optim.AdamW over 20 steps within 1e-6"
+
+
+# ------------------------------------------------------------------ lecture 02: ZeRO and TP
+
+
+ZERO_PAPER_FIGURE_1 = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}  # GB per rank, Ψ = 7.5B, N_d = 64 (Rajbhandari et al. 2020)
+
+
+def check_model_state_gb(model_state_gb, lowest_stage_that_fits_70b) -> str:
+    """The learner's per-rank model-state gigabytes against the ZeRO paper's Figure 1 and the library's formula."""
+    for stage, gb in ZERO_PAPER_FIGURE_1.items():
+        mine = _call("model_state_gb", model_state_gb, 7_500_000_000, 64, stage)
+        assert round(mine, 1) == gb, (
+            f"stage {stage}: you get {mine:.2f} GB for 7.5B parameters on 64 ranks, the paper {gb} GB. "
+            "Which of parameters (2 B), gradients (2 B), optimizer state (12 B) does each stage split?"
+        )
+        for psi, n in ((106_816, 4), (70_000_000_000, 64), (1_000, 3)):
+            want = zero_model_state_bytes(psi, n, stage) / 1e9
+            # the same sum of three terms: equal up to the last bit of a float64 division
+            assert math.isclose(model_state_gb(psi, n, stage), want), (
+                f"stage {stage}, Ψ={psi}, N={n}: expected {want} GB"
+            )
+    fits = [s for s in range(4) if model_state_gb(70_000_000_000, 64, s) <= 80]
+    if lowest_stage_that_fits_70b is None:
+        raise AssertionError("model_state_gb is right; now set lowest_stage_that_fits_70b")
+    assert lowest_stage_that_fits_70b == min(fits), (
+        f"stage {lowest_stage_that_fits_70b} needs {model_state_gb(70e9, 64, lowest_stage_that_fits_70b):.0f} GB "
+        "per rank for 70B parameters on 64 ranks: which is the first stage under 80 GB?"
+    )
+    return "ZeRO exercise: your model-state sizes match the paper's Figure 1 and the library's formula"
+
+
+def check_tp_step_prediction(predict_tp_step, measured: dict[int, tuple[int, int, int]], d_model: int) -> str:
+    """The learner's (forward all-reduces, backward all-reduces, bytes) against the counter's, per n_layers.
+
+    ``measured[n_layers]`` comes from a real TPTransformer step at t = 2, b = 2, s = 16 (the counter
+    counts calls and bytes exactly, so the comparison is exact).
+    """
+    for n_layers, counted in measured.items():
+        predicted = tuple(_call("predict_tp_step", predict_tp_step, n_layers, 2, 16, d_model))
+        assert predicted == tuple(counted), (
+            f"with {n_layers} blocks the counter saw {counted[0]} all-reduces forward, {counted[1]} backward and "
+            f"{counted[2]} bytes; you predicted {predicted}. Walk the model: embedding (g), each block (attention: "
+            "f then g; MLP: f then g), final norm, output layer (f), cross-entropy (3 all-reduces of one float per token)."
+        )
+    return f"TP exercise: your prediction equals the counted all-reduces for n_layers in {sorted(measured)}"
+
+
+# ------------------------------------------------------------- lecture 03: ring attention
+
+
+def check_ring_forward_bytes(ring_forward_bytes, measured: int, B: int, S: int, HKV: int, D: int, N: int) -> str:
+    """The learner's expression for the bytes rank 0 sends in ring attention's forward, against the counter."""
+    answer_ = _call("ring_forward_bytes", ring_forward_bytes, B, S, HKV, D, N)
+    assert answer_ == measured, (
+        f"you predicted {answer_} B but rank 0 sent {measured} B. A block is one rank's K (or V): "
+        "B x HKV x (S/N) x D elements of 4 bytes; how many hops does each of K and V make before every rank has seen it?"
+    )
+    return f"ring exercise: {answer_} B, as measured"

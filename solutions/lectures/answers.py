@@ -1,0 +1,39 @@
+"""Reference answers to the lectures' exercises (see course_lib/grading/exercises.py).
+
+Try each exercise before reading its answer here. The test run executes the lectures with these
+answers (COURSE_REFERENCE_ANSWERS=1), so every check cell is proven to pass with them.
+"""
+
+
+# Lecture 01, §8: one AdamW step (Loshchilov & Hutter 2019, Alg. 2), in place.
+def my_adamw_step(p, g, m, v, t, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2):
+    p.mul_(1 - lr * weight_decay)  # decoupled decay: θ(1 − ηλ), outside the adaptive scaling
+    m.mul_(beta1).add_((1 - beta1) * g)
+    v.mul_(beta2).add_((1 - beta2) * g * g)
+    m_hat, v_hat = m / (1 - beta1**t), v / (1 - beta2**t)
+    p.sub_(lr * m_hat / (v_hat.sqrt() + eps))
+
+
+# Lecture 02, Part 1: model states of mixed-precision Adam per rank under ZeRO (Rajbhandari et al. 2020, §5).
+def model_state_gb(psi, n, stage):
+    params = 2 * psi / (n if stage >= 3 else 1)
+    grads = 2 * psi / (n if stage >= 2 else 1)
+    optimizer = 12 * psi / (n if stage >= 1 else 1)
+    return (params + grads + optimizer) / 1e9
+
+
+lowest_stage_that_fits_70b = 3  # 17.5 GB per rank; stage 2 still needs 155 GB
+
+
+# Lecture 02, Part 2: the all-reduces of one tensor-parallel training step (Megatron-LM §3).
+def predict_tp_step(n_layers, b, s, d):
+    forward = 1 + 2 * n_layers + 3  # embedding g, two g per block, three in the cross-entropy
+    backward = 2 * n_layers + 1  # two f per block, the output layer's f
+    activation = b * s * d * 4  # every f and g moves one [b, s, d] fp32 activation
+    total_bytes = (1 + 2 * n_layers + 2 * n_layers + 1) * activation + 3 * b * s * 4
+    return forward, backward, total_bytes
+
+
+# Lecture 03, §2.5: each of K and V makes N − 1 hops of one block, B·HKV·(S/N)·D fp32 elements.
+def ring_forward_bytes(B, S, HKV, D, N):
+    return 2 * (N - 1) * B * HKV * (S // N) * D * 4

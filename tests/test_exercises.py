@@ -1,0 +1,100 @@
+"""The lectures' exercises, both ways: the notebook's placeholder fails its check with a hint, the
+reference answer (solutions/lectures/answers.py) passes it.
+
+nbval executes every lecture with COURSE_REFERENCE_ANSWERS=1 (root conftest.py), which proves the
+notebooks' check cells pass with the reference; here the exercise cell itself is run as a learner
+first sees it, without that flag, and its answer must fail the same check.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from course_lib.cost.comm import ring_comm_bytes
+from course_lib.grading import exercises
+from course_lib.measure.tensor_parallel import tp_step_collectives
+from course_lib.model import config as configs
+
+LECTURES = Path(__file__).resolve().parent.parent / "lectures"
+RING = dict(B=2, S=64, HKV=4, D=16, N=4)  # lecture 03's miniature (§2.2)
+
+
+@pytest.fixture(scope="module")
+def tp_counted():
+    """What the counter sees in one TP step at t = 2 (lecture 02 measures the same)."""
+    return {n: tp_step_collectives(n)[:3] for n in (1, 3)}
+
+
+def _run_check(name: str, ns: dict, tp_counted) -> str:
+    if name == "my_adamw_step":
+        return exercises.check_adamw_step(ns[name])
+    if name == "model_state_gb":
+        return exercises.check_model_state_gb(ns[name], ns["lowest_stage_that_fits_70b"])
+    if name == "predict_tp_step":
+        return exercises.check_tp_step_prediction(ns[name], tp_counted, configs.get("tiny").d_model)
+    # ring_comm_bytes equals what the counter measures: tests/test_ring_attention.py and lecture 03 §2.5
+    sent = ring_comm_bytes(RING["B"], RING["S"], RING["HKV"], RING["D"], RING["N"])["forward_bytes"]
+    return exercises.check_ring_forward_bytes(ns[name], sent, *RING.values())
+
+
+EXERCISES = [
+    ("01_foundations.ipynb", "my_adamw_step"),
+    ("02_data_and_tensor_parallelism.ipynb", "model_state_gb"),
+    ("02_data_and_tensor_parallelism.ipynb", "predict_tp_step"),
+    ("03_pipeline_sequence_expert_parallelism.ipynb", "ring_forward_bytes"),
+]
+
+
+def _cells(notebook: str) -> list[str]:
+    nb = json.loads((LECTURES / notebook).read_text())
+    return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+
+
+def _exercise_cell(notebook: str, name: str) -> tuple[str, str]:
+    """The cell that answers ``name`` and the code cell after it (its check)."""
+    cells = _cells(notebook)
+    found = [i for i, src in enumerate(cells) if f'answer("{name}"' in src]
+    assert len(found) == 1, f"{notebook}: expected one exercise cell with answer({name!r}, ...), found {len(found)}"
+    return cells[found[0]], cells[found[0] + 1]
+
+
+def _answer_of(cell: str, reference: bool, monkeypatch) -> dict:
+    if reference:
+        monkeypatch.setenv(exercises.ENV, "1")
+    else:
+        monkeypatch.delenv(exercises.ENV, raising=False)
+    namespace: dict = {}
+    exec(cell, namespace)  # the exercise cell imports what it uses: it runs on its own
+    return namespace
+
+
+@pytest.mark.parametrize(("notebook", "name"), EXERCISES, ids=[n for _, n in EXERCISES])
+def test_the_placeholder_fails_its_check_with_a_hint(notebook, name, monkeypatch, tp_counted):
+    cell, check_cell = _exercise_cell(notebook, name)
+    assert "exercises.check_" in check_cell, f"{notebook}: the cell after {name}'s must run its shared check"
+    ns = _answer_of(cell, reference=False, monkeypatch=monkeypatch)
+    with pytest.raises(AssertionError, match="not answered yet"):
+        _run_check(name, ns, tp_counted)
+
+
+@pytest.mark.parametrize(("notebook", "name"), EXERCISES, ids=[n for _, n in EXERCISES])
+def test_the_reference_answer_passes_its_check(notebook, name, monkeypatch, tp_counted):
+    cell, _ = _exercise_cell(notebook, name)
+    ns = _answer_of(cell, reference=True, monkeypatch=monkeypatch)
+    assert _run_check(name, ns, tp_counted)
+
+
+def test_a_wrong_answer_fails_with_what_to_look_at(tp_counted):
+    def coupled_decay(p, g, m, v, t, lr, beta1, beta2, eps, weight_decay):
+        g = g + weight_decay * p  # Adam + L2, not AdamW
+        m.mul_(beta1).add_((1 - beta1) * g)
+        v.mul_(beta2).add_((1 - beta2) * g * g)
+        p.sub_(lr * (m / (1 - beta1**t)) / ((v / (1 - beta2**t)).sqrt() + eps))
+
+    with pytest.raises(AssertionError, match="decoupled"):
+        exercises.check_adamw_step(coupled_decay)
+    with pytest.raises(AssertionError, match="how many hops"):
+        exercises.check_ring_forward_bytes(lambda B, S, HKV, D, N: B * S * HKV * D * 4, 49152, *RING.values())
+    with pytest.raises(AssertionError, match="Walk the model"):
+        exercises.check_tp_step_prediction(lambda n, b, s, d: (0, 0, 0), tp_counted, 64)
