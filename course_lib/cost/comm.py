@@ -18,6 +18,7 @@ Every formula here is set beside a measurement from :mod:`course_lib.dist.counte
 
 from __future__ import annotations
 
+from course_lib.cost.flops import gpt_block_forward_flops
 from course_lib.cost.memory import check_zero_args
 from course_lib.dist.trace import Span
 
@@ -294,13 +295,12 @@ def tp_block_comm_share(
 ) -> dict:
     """Forward of one transformer block under Megatron 1D TP: compute and communication seconds per rank.
 
-    Compute: 24·T·h²·(1 + s/(6h)) FLOPs for T tokens of sequence length s (Narayanan et al. 2021,
-    §5.1: the four h×h projections and the 4h MLP, plus attention scores), split over t ranks.
+    Compute: :func:`course_lib.cost.flops.gpt_block_forward_flops`, 24·T·h²·(1 + s/(6h)), split over t ranks.
     Communication: the two g all-reduces of a [T, h] activation (Shoeybi et al. 2019, §3), each a
     ring all-reduce (:func:`ring_all_reduce_seconds`); nothing overlapped. Returns
     {"compute_s", "comm_s", "share"}, share = comm / (comm + compute).
     """
-    compute = 24 * tokens * hidden**2 * (1 + seq_len / (6 * hidden)) / tp_size / flops_per_second
+    compute = gpt_block_forward_flops(tokens, hidden, seq_len) / tp_size / flops_per_second
     comm = 2 * ring_all_reduce_seconds(tokens * hidden * bytes_per_element, tp_size, alpha, beta)
     return {"compute_s": compute, "comm_s": comm, "share": comm / (comm + compute)}
 

@@ -111,3 +111,11 @@ def roofline_flops(intensity: float, peak_flops_per_second: float, bytes_per_sec
     """Attainable FLOP/s of a kernel of the given intensity: min(peak, intensity · bandwidth)
     (Williams et al. 2009)."""
     return min(peak_flops_per_second, intensity * bytes_per_second)
+
+
+def gpt_block_forward_flops(tokens: int, hidden: int, seq_len: int) -> float:
+    """Forward FLOPs of one GPT block (4h MLP, full attention) for ``tokens`` tokens of length ``seq_len``:
+    24·T·h²·(1 + s/(6h)) — the four h×h projections and the MLP, plus the attention scores and their
+    weighted sum (Narayanan et al. 2021, §5.1). For the course's own models use :func:`training_flops_per_token`.
+    """
+    return 24 * tokens * hidden**2 * (1 + seq_len / (6 * hidden))

@@ -16,11 +16,6 @@ PHASES = ("start", "after forward", "after backward", "after optimizer step", "a
 KINDS = ("parameters", "gradients", "optimizer state", "activations")
 
 
-def _storage_bytes(tensors) -> int:
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
-
-
 def training_step_memory(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, targets: torch.Tensor
 ) -> dict[str, dict[str, int]]:
@@ -38,8 +33,8 @@ def training_step_memory(
 
     def snapshot() -> dict[str, int]:
         return {
-            "parameters": _storage_bytes(params),
-            "gradients": _storage_bytes([p.grad for p in params if p.grad is not None]),
+            "parameters": census.held_bytes([p.detach() for p in params]),  # detached: without .grad
+            "gradients": census.held_bytes([p.grad for p in params if p.grad is not None]),
             "optimizer state": census.optimizer_state_bytes(optimizer),
             "activations": activations,
         }
