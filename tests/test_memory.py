@@ -10,9 +10,10 @@ import torch
 import torch.nn as nn
 
 from course_lib.cost.comm import paper_comm_volume, ring_wire_bytes, zero_comm_bytes
-from course_lib.cost.memory import zero_model_state_bytes
+from course_lib.cost.memory import zero3_gathered_peak_bytes, zero_model_state_bytes
 from course_lib.dist.census import held_bytes
-from course_lib.measure.zero import measure_stages, measured_comm_bytes, measured_state_bytes
+from course_lib.measure.allocations import AllocationTrace
+from course_lib.measure.zero import measure_stages, measured_comm_bytes, measured_state_bytes, zero3_step_memory
 
 GB = 1e9
 
@@ -130,3 +131,58 @@ def test_lecture_helpers_give_one_bar_pair_per_stage():
     assert sorted(state) == sorted(comm) == [0, 1, 2, 3]
     assert state[0][0] > state[1][0] > state[2][0] > state[3][0], f"each stage holds less than the one before: {state}"
     assert comm[0][0] == comm[1][0] == comm[2][0] < comm[3][0], f"stages 0-2 move 2Ψ, stage 3 3Ψ: {comm}"
+
+
+# ------------------------------------------------------------------- ZeRO-3's transient memory
+
+
+def test_gathered_peak_formula():
+    sizes = [10, 50, 50, 1, 10]
+    assert zero3_gathered_peak_bytes(sizes) == 50, "without prefetch one unit is gathered at a time: the largest"
+    assert zero3_gathered_peak_bytes(sizes, 1) == 100, "prefetch 1: the largest pair of consecutive units"
+    assert zero3_gathered_peak_bytes(sizes, 2) == 110, "prefetch 2: the largest run of three"
+    assert zero3_gathered_peak_bytes(sizes, 9) == 121, "prefetching past the end holds every unit"
+    with pytest.raises(ValueError, match="prefetch must be an int >= 0"):
+        zero3_gathered_peak_bytes(sizes, -1)
+    with pytest.raises(ValueError, match="unit_bytes must be non-negative ints"):
+        zero3_gathered_peak_bytes([])
+
+
+def test_allocation_trace_sees_every_allocation_and_free():
+    with AllocationTrace("cpu") as trace:
+        with torch.profiler.record_function("two buffers"):
+            a = torch.empty(1000)  # 4,000 B
+            b = torch.empty(2000)  # 8,000 B
+        del a
+        c = torch.empty(500)  # 2,000 B
+        del b, c
+    sizes = [e.nbytes for e in trace.events]
+    assert sizes == [4000, 8000, -4000, 2000, -8000, -2000] or sizes == [4000, 8000, -4000, 2000, -2000, -8000], (
+        f"the profiler's memory events should be the three allocations and their frees, in order; got {sizes}"
+    )
+    assert trace.peak() == 12000, f"peak: a and b at once = 12,000 B; got {trace.peak()}"
+    (labelled,) = trace.ranges("two ")
+    assert [e.nbytes for e in trace.events if e.t_us in labelled] == [4000, 8000], "allocations inside the label"
+    assert trace.events[trace.matching_free(0)].nbytes == -4000, "the free that returns a"
+
+
+def test_zero3_transient_memory_matches_the_formula():
+    measured = zero3_step_memory(2, "tiny", (0, 1, 2))
+    n_units = len(measured[0]["units"])
+    for prefetch, m in measured.items():
+        for rank, peak in enumerate(m["gathered_peak_per_rank"]):
+            # exact: the gathered buffers are whole units, allocated and freed as units
+            assert peak == m["gathered_formula"], (
+                f"ZeRO-3 with prefetch={prefetch}: rank {rank} held {peak} B of gathered parameters at once; the "
+                f"largest {prefetch + 1} consecutive units hold {m['gathered_formula']} B ({m['units']}, "
+                f"{m['unit_bytes']} B). More means a unit is not freed after its forward or after its reduce-scatter"
+            )
+        assert m["gathers_per_rank"] == [2 * n_units] * 2, (
+            f"one step all-gathers each of the {n_units} units twice, prefetch or not; counted {m['gathers_per_rank']}"
+        )
+        assert m["activations"] == measured[0]["activations"], "prefetch does not change what autograd saves"
+        assert m["peak"] >= max(m["activations"], m["gathered_peak"]), (
+            f"the step's peak {m['peak']} B must hold at least the activations ({m['activations']} B) and the "
+            f"gathered units ({m['gathered_peak']} B)"
+        )
+    assert measured[0]["peak"] < measured[1]["peak"], "gathering a unit ahead raises the step's peak"

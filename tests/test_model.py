@@ -33,6 +33,13 @@ def test_parameter_count_is_exact(tie):
         f"(tie_embeddings={tie}); the formula in configs.py and the modules in model.py disagree"
     )
 
+    layer = sum(p.numel() for p in model.layers[0].parameters())
+    assert layer == model.cfg.layer_params(0), (
+        f"ModelConfig.layer_params(0) = {model.cfg.layer_params(0)} but block 0 holds {layer} parameters"
+    )
+    with pytest.raises(ValueError, match="layer 99 does not exist"):
+        model.cfg.layer_params(99)
+
 
 def test_causality():
     model, tokens = _model(), _tokens()

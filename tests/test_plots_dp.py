@@ -3,7 +3,7 @@
 import pytest
 
 from course_lib.dist.trace import Span
-from course_lib.plots.data_parallel import compute_segments, ddp_timeline, measured_vs_formula
+from course_lib.plots.data_parallel import compute_segments, ddp_timeline, measured_vs_formula, memory_timeline
 
 
 def _step():
@@ -41,3 +41,15 @@ def test_mismatched_labels_are_explained():
         measured_vs_formula({"a": 1}, {"b": 1})
     with pytest.raises(ValueError, match="no spans"):
         ddp_timeline([])
+
+
+def test_memory_timeline_draws_the_curves_in_the_given_unit():
+    allocated = ([0.0, 1.0, 2.0], [1000, 3000, 500])
+    gathered = ([0.5, 1.5], [2000, 0])
+    ax = memory_timeline(allocated, gathered, {"forward": (0.0, 1.0), "backward": (1.0, 2.0)})
+    (line,) = ax.get_lines()
+    assert list(line.get_ydata()) == [1.0, 3.0, 0.5], "allocated bytes drawn in kB"
+    assert len(ax.patches) == 2, "one shaded band per phase"
+    assert max(ax.collections[0].get_paths()[0].vertices[:, 1]) == 2.0, "gathered bytes filled up to 2 kB"
+    with pytest.raises(ValueError, match="empty allocation curve"):
+        memory_timeline(([], []), gathered, {})

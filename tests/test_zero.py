@@ -218,6 +218,42 @@ def test_stage3_frees_every_unit_after_forward_and_after_backward():
     )
 
 
+def _prefetch_run(prefetch):
+    model = _model()
+    zero = Zero(model, 3, lr=LR, weight_decay=WD, prefetch=prefetch)
+    in_forward = []  # units gathered as each unit's forward starts (after ZeRO's own pre-hook), last step
+    for u in zero.units:
+        u.module.register_forward_pre_hook(
+            lambda *_, u=u: in_forward.append(
+                (u.name, [v.name for v in zero.units if v.full.untyped_storage().nbytes() > 0])
+            )
+        )
+    with counter.count() as c:
+        for x in _tokens(STEPS):
+            in_forward.clear()
+            _loss(model, x).backward()
+            zero.step()
+            zero.zero_grad()
+    return zero.full_parameters(), c.calls("all_gather_single"), in_forward, [u.name for u in zero.order]
+
+
+def test_stage3_prefetch_gathers_ahead_and_changes_no_number():
+    # the memory it costs is measured in test_memory.py (zero3_step_memory)
+    (plain, gathers, _, _), (ahead, gathers_ahead, in_forward, order) = (
+        launch(_prefetch_run, 2, k, timeout=60)[0] for k in (0, 1)
+    )
+    assert not _differing(ahead, plain), (
+        f"prefetch only moves all-gathers earlier; the parameters after {STEPS} steps should be bit-equal, "
+        f"but differ in {_differing(ahead, plain)[:4]}"
+    )
+    assert gathers == gathers_ahead, f"prefetch must not add all-gathers: {gathers} without, {gathers_ahead} with"
+    expected = [(name, order[i : i + 2]) for i, name in enumerate(order)]
+    assert in_forward == expected, (
+        "with prefetch=1 each unit's forward should run with itself and the next unit (execution order) gathered; "
+        f"saw {in_forward}, expected {expected}"
+    )
+
+
 def _where_gradients_go(stage):
     model = _model()
     zero = Zero(model, stage, lr=LR)
@@ -245,6 +281,10 @@ def test_bad_stage_precision_and_tied_weights_are_clear_errors():
         Zero(_model(), 1, lr=-1.0)
     with pytest.raises(RuntimeError, match="needs torch.distributed initialised"):
         Zero(_model(), 1)
+    with pytest.raises(ValueError, match="stages 0-2 keep every parameter, so use prefetch=0"):
+        Zero(_model(), 2, prefetch=1)
+    with pytest.raises(ValueError, match=r"prefetch=-1: prefetch is the number of units \(an int >= 0\)"):
+        Zero(_model(), 3, prefetch=-1)
     tied = _model()
     tied.output.weight = tied.tok_embeddings.weight
     with pytest.raises(ValueError, match="shared by units 'tok_embeddings' and 'output'"):

@@ -6,6 +6,7 @@ states* — parameters, gradients, optimizer state — and *residual states* (ac
 buffers, fragmentation). This module is about the model states:
 
 * :func:`zero_model_state_bytes` — bytes per rank that each ZeRO stage predicts (paper Figure 1);
+* :func:`zero3_gathered_peak_bytes` — ZeRO-3's transient: the gathered units held at once, with prefetch;
 * :func:`state_bytes`, :func:`training_bytes_per_param` — optimizer state per parameter for each
   optimizer of lecture 01, and the 16 bytes per parameter of mixed-precision Adam.
 
@@ -17,7 +18,7 @@ What a rank really holds is counted by :func:`course_lib.dist.census.held_bytes`
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 STAGES = (0, 1, 2, 3)
 
@@ -122,3 +123,23 @@ def training_bytes_per_param(
     if per_element is None:
         raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(STATE_ELEMENTS)}")
     return param_bytes + grad_bytes + master_bytes + per_element * state_bytes_per_element
+
+
+def zero3_gathered_peak_bytes(unit_bytes: Sequence[int], prefetch: int = 0) -> int:
+    """Most bytes of gathered ZeRO-3 parameters held at once during a step (ZeRO paper §5.3).
+
+    ``unit_bytes`` are the units' full (padded) 16-bit parameter bytes in execution order. Stage 3
+    gathers a unit just before it computes and frees it right after, so without prefetch one unit
+    is gathered at a time and the transient is the largest unit. With ``prefetch = k`` the k units
+    that compute next are gathered too (forward: the following ones; backward: the preceding
+    ones), so the transient is the largest sum over k + 1 consecutive units. This is the memory side
+    of the trade DeepSpeed's ``stage3_prefetch_bucket_size`` and ``stage3_max_live_parameters``
+    control: earlier all-gathers overlap compute, and cost this much more.
+    """
+    sizes = list(unit_bytes)
+    if not sizes or any(not isinstance(b, int) or b < 0 for b in sizes):
+        raise ValueError(f"unit_bytes must be non-negative ints, one per unit, got {unit_bytes!r}")
+    if not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be an int >= 0 (units gathered ahead), got {prefetch!r}")
+    window = min(prefetch + 1, len(sizes))
+    return max(sum(sizes[i : i + window]) for i in range(len(sizes) - window + 1))

@@ -28,19 +28,21 @@ class SavedTensorMeter:
     reused by another saved tensor during the forward pass: counting by address is counting by
     tensor. Storages of ``exclude``'s parameters and buffers are left out (weights are not
     activations, and ``w.t()`` saved by a linear is a view of the weight), and so are the storages
-    of ``constants`` (the RoPE tables passed to a block).
+    of ``constants`` (the RoPE tables passed to a block). Those are recognised by the storage object
+    itself (``_cdata``), not by its address: ZeRO-3 frees a parameter's storage and re-allocates it
+    at a new address for every gather.
     """
 
     def __init__(self, exclude: torch.nn.Module | None = None, constants: tuple = ()):
         tensors = list(exclude.parameters()) + list(exclude.buffers()) if exclude is not None else []
         tensors += list(constants)
-        self._excluded = {t.untyped_storage().data_ptr() for t in tensors}
+        self._excluded = {t.untyped_storage()._cdata for t in tensors}
         self.storages: dict[int, int] = {}
         self._hooks = None
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        if storage.data_ptr() not in self._excluded and storage.nbytes() > 0:
+        if storage._cdata not in self._excluded and storage.nbytes() > 0:
             self.storages[storage.data_ptr()] = storage.nbytes()
         return t
 

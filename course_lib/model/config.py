@@ -255,6 +255,12 @@ class ModelConfig:
     def _block_params(self, kind: str, moe: bool, active: bool) -> int:
         return 2 * self.d_model + self._attention_params(kind) + self._ffn_params(moe, active)
 
+    def layer_params(self, i: int = 0, active: bool = False) -> int:
+        """Parameters of block ``i`` (its norms, attention and feed-forward): one ZeRO-3/FSDP unit."""
+        if not 0 <= i < self.n_layers:
+            raise ValueError(f"layer {i} does not exist: this model has layers 0..{self.n_layers - 1}")
+        return self._block_params(self.layer_types[i], self.is_moe_layer(i), active)
+
     def _count(self, active: bool, include_mtp: bool) -> int:
         d, v = self.d_model, self.vocab_size
         n = v * d + d  # output head + final norm

@@ -2,6 +2,7 @@
 
     ddp_timeline([spans_rank0, spans_rank1])                 compute lane and all-reduce lane per rank
     measured_vs_formula({"stage 0": 1.7e6, ...}, {...})      a measured bar next to its formula bar
+    memory_timeline(allocated, gathered, phases)             bytes allocated through one step, by phase
 
 Same conventions as :mod:`course_lib.plots`: each function draws on ``ax`` (a new figure when it is
 None), returns the ``Axes`` so a lecture can add to it and a test can read back what was drawn, and
@@ -17,8 +18,9 @@ import numpy as np
 
 from course_lib.plots.common import axes, span_bar, timeline_frame
 
-__all__ = ["compute_segments", "ddp_timeline", "measured_vs_formula"]
+__all__ = ["compute_segments", "ddp_timeline", "measured_vs_formula", "memory_timeline"]
 
+PHASE_COLORS = {"forward": "tab:blue", "backward": "tab:cyan", "optimizer step": "tab:green"}
 COMPUTE_COLORS = {"forward": "tab:blue", "backward": "tab:cyan", "ddp.wait": "lightgrey", "optimizer": "tab:green"}
 
 
@@ -118,6 +120,43 @@ def measured_vs_formula(
     ax.set_xticks(x, list(measured))
     ax.set_ylabel(ylabel)
     ax.legend(fontsize=7)
+    if title:
+        ax.set_title(title, fontsize=9)
+    return ax
+
+
+def memory_timeline(
+    allocated: tuple[Sequence[float], Sequence[int]],
+    gathered: tuple[Sequence[float], Sequence[int]],
+    phases: Mapping[str, tuple[float, float]],
+    ax=None,
+    title: str | None = None,
+    scale: float = 1e3,
+    unit: str = "kB",
+    xlabel: str = "allocations and frees into the step",
+    figsize=(6.0, 3.0),
+):
+    """Bytes allocated through one step (a line) with the gathered ZeRO-3 parameters under it (filled),
+    on shaded phase bands. ``allocated`` and ``gathered`` are (x, bytes) step curves, x the allocator's
+    event number (or a time); ``phases`` maps a name to its (start, end) on the same axis."""
+    if not allocated[0]:
+        raise ValueError("memory_timeline got an empty allocation curve: was the step run inside the trace?")
+    ax = axes(ax, figsize)
+    for name, (start, end) in phases.items():
+        ax.axvspan(start, end, color=PHASE_COLORS.get(name, "lightgrey"), alpha=0.12, label=name)
+    ax.step(allocated[0], [b / scale for b in allocated[1]], where="post", color="black", lw=1, label="allocated")
+    if gathered[0]:
+        ax.fill_between(
+            gathered[0],
+            [b / scale for b in gathered[1]],
+            step="post",
+            color="tab:orange",
+            alpha=0.7,
+            label="gathered parameters",
+        )
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(f"{unit} above the step's start")
+    ax.legend(fontsize=7, loc="upper left")
     if title:
         ax.set_title(title, fontsize=9)
     return ax

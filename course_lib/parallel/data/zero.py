@@ -28,6 +28,13 @@ gradients and keeps fp32 master weights and fp32 Adam moments (12 bytes per para
 the master weights and moments on the CPU and runs AdamW there (ZeRO-Offload, Ren et al. 2021);
 on a CPU-only machine that move is a no-op, but the code path is the same.
 
+``prefetch=k`` (stage 3) gathers the next k units ahead of the one about to compute — in the
+forward pass the units after it, in the backward pass the ones before it, in the execution order
+recorded during the first forward pass — as DeepSpeed's ``stage3_prefetch_bucket_size`` and FSDP's
+forward/backward prefetch do. On a GPU the early all-gather runs on another stream, hidden behind
+the current unit's compute; the price is memory: up to k + 1 units gathered at once instead of one
+(:func:`course_lib.cost.memory.zero3_gathered_peak_bytes`, measured in lecture 02).
+
     zero = Zero(model, stage=2, lr=1e-3, weight_decay=0.1, precision="bf16")
     loss = model.loss(x, y)    # stage 3: hooks gather each unit's parameters
     loss.backward()            # stages 2-3: hooks reduce-scatter each unit's gradients
@@ -43,6 +50,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.profiler import record_function
 
 from course_lib.cost.memory import STAGES
 from course_lib.dist import device as compute_device
@@ -119,6 +127,7 @@ class Zero:
         weight_decay: float = 0.0,
         precision: str = "fp32",
         offload: bool = False,
+        prefetch: int = 0,
         group=None,
     ):
         if not isinstance(stage, int) or stage not in STAGES:
@@ -133,6 +142,11 @@ class Zero:
             )
         if not lr >= 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1 or not eps > 0:
             raise ValueError(f"AdamW needs lr >= 0, 0 <= betas < 1 and eps > 0; got lr={lr}, betas={betas}, eps={eps}")
+        if not isinstance(prefetch, int) or prefetch < 0 or (prefetch and stage != 3):
+            raise ValueError(
+                f"prefetch={prefetch!r}: prefetch is the number of units (an int >= 0) that stage 3 "
+                "gathers ahead of the one computing; stages 0-2 keep every parameter, so use prefetch=0"
+            )
         if not dist.is_initialized():
             raise RuntimeError(
                 "Zero needs torch.distributed initialised: run under course_lib.dist.launch, "
@@ -150,6 +164,7 @@ class Zero:
             self.units.append(_Unit(name, module, parts, offset))
             offset += self.units[-1].shard
         self.step_count = 0
+        self.prefetch, self.order, self.order_known = prefetch, [], False  # execution order, stage 3
         # Rank-local shard tensors (the whole model's, stage 0): Adam moments always; a separate fp32
         # master copy only when the parameters are not fp32 already or live on another device.
         state = dict(dtype=torch.float32, device=self.optimizer_device)
@@ -184,7 +199,7 @@ class Zero:
         if self.stage == 3:
             self._slice(self.param_shard, u).copy_(u.full[mine])
             self._free(u)
-            u.module.register_forward_pre_hook(lambda *_, u=u: self._gather(u))
+            u.module.register_forward_pre_hook(lambda *_, u=u: self._before_forward(u))
             u.module.register_forward_hook(lambda _m, _in, out, u=u: self._after_forward(u, out))
 
     @staticmethod
@@ -198,13 +213,25 @@ class Zero:
         return u.full[self.me * u.shard : (self.me + 1) * u.shard]
 
     # ------------------------------------------------------------------------------ stage 3
-    def _gather(self, u: _Unit) -> None:
-        """All-gather the unit's parameters into its flat buffer (re-allocated), before compute."""
+    def _before_forward(self, u: _Unit) -> None:
+        if not self.order_known and u not in self.order:  # the first forward records the order
+            self.order.append(u)
+        self._gather(u, direction=+1)
+
+    def _gather(self, u: _Unit, direction: int = 0) -> None:
+        """All-gather the unit's parameters into its flat buffer (re-allocated), before compute; then
+        the ``self.prefetch`` units that compute next (``direction``: +1 forward, -1 backward, 0 none)."""
         storage = u.full.untyped_storage()
-        if storage.nbytes() > 0:
-            return  # already gathered (a unit whose output holds several tensors, or full_parameters)
-        storage.resize_(u.padded * u.full.element_size())
-        dist.all_gather_single(u.full, self._slice(self.param_shard, u), group=self.group)
+        if storage.nbytes() == 0:  # else already gathered: prefetched, or an output of several tensors
+            # the label marks the all-gather (and its allocation) in a torch.profiler trace
+            with record_function(f"ZeRO-3 all-gather {u.name}"):
+                storage.resize_(u.padded * u.full.element_size())
+                dist.all_gather_single(u.full, self._slice(self.param_shard, u), group=self.group)
+        if direction and self.order_known:
+            at = self.order.index(u)
+            for i in range(at + direction, at + direction * (self.prefetch + 1), direction):
+                if 0 <= i < len(self.order):
+                    self._gather(self.order[i])
 
     def _after_forward(self, u: _Unit, output) -> None:
         """Free the unit's parameters, and have them gathered again when the gradient of its output
@@ -212,12 +239,14 @@ class Zero:
         self._free(u)
         for t in output if isinstance(output, (tuple, list)) else (output,):
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(lambda _grad, u=u: self._gather(u))
+                t.register_hook(lambda _grad, u=u: self._gather(u, direction=-1))
 
     def _free(self, u: _Unit) -> None:
         """Give the gathered buffer's memory back. The parameters stay views of it, and autograd's
         saved tensors too: the next gather refills the same storage, so backward sees the values."""
-        u.full.untyped_storage().resize_(0)
+        if u.full.untyped_storage().nbytes() > 0:
+            with record_function(f"ZeRO-3 free {u.name}"):
+                u.full.untyped_storage().resize_(0)
 
     # ------------------------------------------------------------------------------ stages 2-3
     def _grad_ready(self, u: _Unit) -> None:
@@ -244,6 +273,7 @@ class Zero:
         """Average the gradients, AdamW on this rank's shard, and bring the parameters up to date."""
         grads = self._averaged_gradients()
         self.step_count += 1
+        self.order_known = True  # a whole forward pass has run
         for u in self.units:
             mine = self._my_params(u)
             target = self._slice(self.master, u) if self.master is not None else mine
