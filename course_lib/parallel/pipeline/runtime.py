@@ -1,0 +1,157 @@
+"""Execute a pipeline schedule over torch.distributed point-to-point: one training step.
+
+Each rank walks its action list from :mod:`course_lib.parallel.pipeline.schedules`:
+
+    F       run the stage on the micro-batch (tokens on stage 0, the received or local hidden state
+            elsewhere); the last stage computes the loss divided by m, so that the gradients summed
+            over the m micro-batches are those of the mean loss of the whole batch
+    B       backward through the stage from the received gradient (from the loss on the last stage)
+    I, W    the same backward in two passes: first to the stage's input only (what the previous
+            stage waits for), later to the weights (what nobody waits for). Here W runs autograd a
+            second time from the stage's output, so its gradients are exact but it re-does part of
+            I's work; torch.distributed.pipelining keeps I's intermediate gradients instead.
+    SEND_*  ``dist.isend`` (non-blocking; completed before the step returns)
+    RECV_*  ``dist.recv`` (blocking), with a tag per (kind, micro-batch, stage) so that messages
+            pair up by meaning, not by arrival order
+
+A stage's saved input and output are dropped when its last backward action for that micro-batch
+has run: that is the moment its activations are freed, and ``peak_in_flight`` counts them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from course_lib.dist import trace
+from course_lib.parallel.pipeline.schedules import RECV_B, RECV_F, SEND_B, SEND_F, B, F, I, Schedule, W
+
+
+@dataclass
+class StepResult:
+    losses: dict[int, float] = field(default_factory=dict)  # micro-batch -> loss (ranks with the last stage)
+    peak_in_flight: int = 0  # most (micro-batch, stage) activations held at once on this rank
+
+
+def _tag(kind: str, microbatch: int, stage: int, n_stages: int) -> int:
+    return 2 * (microbatch * n_stages + stage) + (kind == "B")
+
+
+def run_step(
+    schedule: Schedule,
+    stages: dict[int, nn.Module],
+    microbatches: Sequence[torch.Tensor],
+    targets: Sequence[torch.Tensor],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    hidden_shape: tuple[int, ...],
+    dtype: torch.dtype = torch.float32,
+    group=None,
+) -> StepResult:
+    """Run this rank's actions of ``schedule``; ``stages`` maps each stage index it holds to its module.
+
+    ``hidden_shape`` is one micro-batch's hidden state, [batch, seq, d_model]: what a receiver
+    allocates. Gradients accumulate in the stages' ``.grad``, as with a plain backward.
+    """
+    rank = dist.get_rank(group)
+    mine = schedule.stages_of(rank)
+    if sorted(stages) != mine:
+        raise ValueError(f"rank {rank} holds stages {mine} under this schedule; got modules for {sorted(stages)}")
+    if len(microbatches) != schedule.m or len(targets) != schedule.m:
+        raise ValueError(
+            f"the schedule has m={schedule.m} micro-batches; got {len(microbatches)} inputs and {len(targets)} targets"
+        )
+    n, m = schedule.n_stages, schedule.m
+    device = next(stages[mine[0]].parameters()).device
+
+    def peer(stage: int) -> int:
+        r = schedule.placement[stage]
+        return dist.get_global_rank(group, r) if group is not None else r
+
+    inbox: dict[tuple, torch.Tensor] = {}  # ("F" | "B", micro-batch, stage it is for) -> tensor
+    saved: dict[tuple, tuple] = {}  # (micro-batch, stage) -> (input, output)
+    sends, result = [], StepResult()
+    for a in schedule.actions[rank]:
+        key, s = (a.microbatch, a.stage), a.stage
+        if a.op == RECV_F:
+            x = torch.empty(hidden_shape, dtype=dtype, device=device)
+            dist.recv(x, peer(s - 1), group=group, tag=_tag("F", a.microbatch, s - 1, n))
+            inbox[("F", *key)] = x
+        elif a.op == RECV_B:
+            g = torch.empty(hidden_shape, dtype=dtype, device=device)
+            dist.recv(g, peer(s + 1), group=group, tag=_tag("B", a.microbatch, s + 1, n))
+            inbox[("B", *key)] = g
+        elif a.op == F:
+            with trace.span("F", mb=a.microbatch, stage=s):
+                if s == 0:
+                    x = microbatches[a.microbatch].to(device)
+                else:
+                    x = inbox.pop(("F", *key)).detach().requires_grad_()
+                y = stages[s](x)
+                if s == n - 1:
+                    loss = loss_fn(y, targets[a.microbatch].to(device))
+                    result.losses[a.microbatch] = loss.item()
+                    y = loss / m
+                elif schedule.placement[s + 1] == rank:
+                    inbox["F", a.microbatch, s + 1] = y.detach()
+            saved[key] = (x, y)
+            result.peak_in_flight = max(result.peak_in_flight, len(saved))
+        elif a.op == SEND_F:
+            out = saved[key][1].detach()
+            sends.append((dist.isend(out, peer(s + 1), group=group, tag=_tag("F", *key, n)), out))
+        elif a.op in (B, I):
+            x, y = saved[key] if a.op == I else saved.pop(key)
+            grad = None if s == n - 1 else inbox.pop(("B", *key))
+            with trace.span(a.op, mb=a.microbatch, stage=s):
+                if a.op == B:
+                    torch.autograd.backward(y, grad)
+                elif s > 0:  # I on stage 0 has no input to differentiate: W does all the work
+                    torch.autograd.backward(y, grad, inputs=[x], retain_graph=True)
+            if a.op == I:
+                saved[key] = (x, y, grad)
+            if s > 0:  # the gradient of the stage's input, for the previous stage: sent, or kept here
+                local = schedule.placement[s - 1] == rank
+                inbox[("B", a.microbatch, s - 1) if local else ("dx", *key)] = x.grad
+        elif a.op == W:
+            x, y, grad = saved.pop(key)
+            params = [p for p in stages[s].parameters() if p.requires_grad]
+            with trace.span("W", mb=a.microbatch, stage=s):
+                torch.autograd.backward(y, grad, inputs=params)
+        elif a.op == SEND_B:
+            dx = inbox.pop(("dx", *key))
+            sends.append((dist.isend(dx, peer(s - 1), group=group, tag=_tag("B", *key, n)), dx))
+        else:
+            raise ValueError(f"unknown action {a!r}")
+    for work, _ in sends:
+        work.wait()
+    return result
+
+
+def tied_group(schedule: Schedule):
+    """The process group of the first and the last stage's ranks, for tied embeddings (collective:
+    every rank calls it, in the same order); None when one rank holds both."""
+    ranks = sorted({schedule.placement[0], schedule.placement[-1]})
+    return dist.new_group(ranks) if len(ranks) == 2 else None
+
+
+def sum_tied_gradients(schedule: Schedule, stages: dict[int, nn.Module], group) -> None:
+    """With tied embeddings the first stage's embedding and the last stage's output layer are two
+    copies of one matrix: give both the sum of their gradients (call after the step's backward)."""
+    last = schedule.n_stages - 1
+    ends = [stages[s] for s in (0, last) if s in stages]
+    if not ends or not ends[0].tied:
+        return
+    weights = [stages[0].tok_embeddings.weight] if 0 in stages else []
+    weights += [stages[last].output.weight] if last in stages else []
+    for w in weights:
+        if w.grad is None:
+            w.grad = torch.zeros_like(w)
+    if len(weights) == 2:  # one rank holds both ends
+        total = weights[0].grad + weights[1].grad
+        for w in weights:
+            w.grad.copy_(total)
+    else:
+        dist.all_reduce(weights[0].grad, group=group)
