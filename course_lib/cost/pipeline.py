@@ -22,6 +22,8 @@ backward pass, so what rank r holds is (activations of one micro-batch through o
     interleaved  min(2(p - r - 1) + (v - 1)·p + 1, v·m) stage-micro-batches, each 1/v of a rank's
                  layers (Megatron-LM's warm-up count plus the one in steady state)
     zb-h1        min(p, m) on every rank: rank r holds p - r like 1F1B plus r whose W it delayed
+    dualpipev    2p + 1 stage-micro-batches on every rank (m >= 2p), each through one of its two
+                 stages: p + 1/2 micro-batches' worth of the rank's layers, counted from the schedule
 
 Korthikanti et al. 2022 (*Reducing Activation Recomputation in Large Transformer Models*, §4.2.3)
 draw the consequence: under 1F1B the first rank keeps p micro-batches of its L/p layers, L layers'
@@ -30,7 +32,7 @@ worth of one micro-batch whatever p is; interleaved, L·(1 + (p - 1)/(p·v)) lay
 
 from __future__ import annotations
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev")
 
 
 def _check(p: int, m: int | None, v: int = 1) -> None:
@@ -46,8 +48,8 @@ def in_flight_microbatches(schedule: str, p: int, stage: int, m: int | None = No
     """Micro-batches whose activations rank ``stage`` (0-indexed) of a ``p``-rank pipeline holds at once.
 
     ``m`` is the number of micro-batches per step: required for "gpipe" (all m are in flight), an
-    upper bound for the others (None means m large enough, the steady state). For "interleaved"
-    the count is of stage-micro-batches, each through one of the rank's ``v`` chunks.
+    upper bound for the others (None means m large enough, the steady state). For "interleaved" and
+    "dualpipev" the count is of stage-micro-batches, each through one of the rank's ``v`` chunks.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}: use one of {SCHEDULES}")
@@ -62,8 +64,9 @@ def in_flight_microbatches(schedule: str, p: int, stage: int, m: int | None = No
         "1f1b": p - stage,
         "zb-h1": p,
         "interleaved": 2 * (p - stage - 1) + (v - 1) * p + 1,
+        "dualpipev": 2 * p + 1,
     }[schedule]
-    cap = None if m is None else m * (v if schedule == "interleaved" else 1)
+    cap = None if m is None else m * (v if schedule in ("interleaved", "dualpipev") else 1)
     return in_flight if cap is None else min(in_flight, cap)
 
 
@@ -80,10 +83,13 @@ def zero_bubble_h1_fraction(p: int, m: int, t_f: float = 1.0, t_i: float = 1.0, 
     return idle / (m * (t_f + t_i + t_w) + idle)
 
 
-def p2p_bytes_per_step(m: int, n_stages: int, activation_bytes: int) -> int:
-    """Bytes all ranks send between stages in one step: each micro-batch crosses each of the
-    n_stages - 1 boundaries twice (its activation forward, the gradient back), each message the
-    size of one micro-batch's hidden state (batch x sequence x d_model x bytes per element).
-    Boundaries between two stages on the same rank (none in these schedules) send nothing."""
+def p2p_bytes_per_step(m: int, boundaries: int, activation_bytes: int) -> int:
+    """Bytes all ranks send between stages in one step: each micro-batch crosses each stage boundary
+    that joins two ranks twice (its activation forward, the gradient back), each message one
+    micro-batch's hidden state (batch x sequence x d_model x bytes per element). A pipeline of p·v
+    stages has p·v - 1 boundaries, all between ranks except DualPipeV's turn of the V (stages
+    p - 1 and p share the last rank): 2p - 2 there."""
     _check(1, m)
-    return 2 * m * (n_stages - 1) * activation_bytes
+    if not isinstance(boundaries, int) or boundaries < 0:
+        raise ValueError(f"boundaries (stage boundaries between two ranks) must be an int >= 0, got {boundaries!r}")
+    return 2 * m * boundaries * activation_bytes

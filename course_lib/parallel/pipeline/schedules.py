@@ -27,6 +27,8 @@ The schedules, each a function of (p, m[, v]):
     zb-h1        1F1B with each backward split into I and W; rank r delays its W's by r
                  backwards so that they fill the idle time at the end of the step (Qi et al. 2023,
                  *Zero Bubble Pipeline Parallelism*, §3, ZB-H1: the same peak memory as 1F1B)
+    dualpipev    two stages per rank in a V, forward of one paired with backward of the other
+                 (DeepSeek-V3 technical report 2024, §3.2.1, DualPipe; its V-shaped variant); m >= 2p
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from dataclasses import dataclass
 F, B, I, W = "F", "B", "I", "W"  # noqa: E741 (the zero-bubble paper's names for the four passes)
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 COMPUTE = (F, B, I, W)
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev")
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,64 @@ def _interleaved(p: int, m: int, v: int, r: int) -> list[Action]:
     return out + [bwd(k) for k in range(total - warmup, total)]
 
 
+def _dualpipe_v(p: int, m: int, r: int) -> list[Action]:
+    """DualPipeV: DeepSeek's DualPipe (DeepSeek-V3 report, §3.2.1) folded into a V. Rank r holds
+    stage r (chunk 0, going down) and stage 2p - 1 - r (chunk 1, coming back up), so the last rank
+    holds the two middle stages and rank 0 both ends. In the main phase every forward of one chunk is
+    paired with a backward of the other (written F then B here): on a GPU the pair runs together, one's
+    computation hiding the other's communication (the MoE all-to-alls DualPipe was built for). Near the
+    end, backwards split into I and W and queued W's fill the gaps. Eight phases per rank, following
+    the open-source DualPipeV: F0 · F0 F1 · I1 W F1 · (F0 B1)(F1 B0) · B1 (F1 B0) · B1 B0 · W B0 · W."""
+    down, up = r, 2 * p - 1 - r
+    out: list[Action] = []
+    count: dict[tuple, int] = {}
+    queued_w: list[tuple[int, int]] = []
+    split = False
+
+    def add(op: str, stage: int) -> None:
+        key = (stage, F if op == F else I)  # B, I share one counter: each micro-batch's backward once
+        i = count.get(key, 0)
+        count[key] = i + 1
+        out.append(Action(op, i, stage))
+        if op == I:
+            queued_w.append((i, stage))
+
+    def weight() -> None:
+        if queued_w:
+            i, stage = queued_w.pop(0)
+            out.append(Action(W, i, stage))
+
+    for _ in range(2 * (p - r - 1)):  # 1: fill chunk 0
+        add(F, down)
+    for _ in range(r + 1):  # 2: both chunks forward
+        add(F, down)
+        add(F, up)
+    for _ in range(p - r - 1):  # 3: first backwards of chunk 1, zero-bubble style
+        add(I, up)
+        weight()
+        add(F, up)
+    for _ in range(m - 2 * p + r + 1):  # 4: the main phase, forward of one chunk with backward of the other
+        add(F, down)
+        add(B, up)
+        add(F, up)
+        add(B, down)
+    for _ in range(p - r - 1):  # 5
+        add(B, up)
+        add(F, up)
+        add(B, down)
+    for i in range(r + 1):  # 6: drain both chunks; the second half splits off W
+        split = split or (i == (r + 1) // 2 and r % 2 == 1)
+        add(I if split else B, up)
+        split = split or (i == (r + 1) // 2 and r % 2 == 0)
+        add(I if split else B, down)
+    for _ in range(p - r - 1):  # 7
+        weight()
+        add(I if split else B, down)
+    while queued_w:  # 8: the W's left
+        weight()
+    return out
+
+
 # ----------------------------------------------------------------------------- messages
 
 
@@ -163,14 +223,23 @@ def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
                 f"the interleaved schedule sends micro-batches through each chunk in groups of p={p}: "
                 f"m={m} is not a multiple of p; use m={-(-m // p) * p}"
             )
+    elif name == "dualpipev":
+        if v != 2:
+            raise ValueError(f"dualpipev holds two stages per rank, in a V: use v=2, got v={v}")
+        if m < 2 * p:
+            raise ValueError(f"dualpipev needs m >= 2p micro-batches to fill both arms of the V: m={m} < {2 * p}")
     elif v != 1:
         raise ValueError(f"schedule {name!r} holds one stage per rank: use v=1, or 'interleaved' for v={v}")
-    placement = tuple(s % p for s in range(p * v))
+    if name == "dualpipev":  # the V: down the ranks, then back up
+        placement = tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
+    else:
+        placement = tuple(s % p for s in range(p * v))
     order = {
         "gpipe": lambda r: _gpipe(p, m, r),
         "1f1b": lambda r: _one_f_one_b(p, m, r),
         "zb-h1": lambda r: _zb_h1(p, m, r),
         "interleaved": lambda r: _interleaved(p, m, v, r),
+        "dualpipev": lambda r: _dualpipe_v(p, m, r),
     }[name]
     actions = tuple(_with_messages(order(r), placement) for r in range(p))
     return Schedule(name, p, m, v, placement, actions)
