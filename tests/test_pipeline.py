@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from course_lib.cost import pipeline as cost
 from course_lib.dist import counter, launch
+from course_lib.measure.pipeline import TORCH_SCHEDULES, measured_bubble, versus_torch
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer, next_token_loss
 from course_lib.parallel.pipeline import runtime, stages
@@ -189,3 +190,32 @@ def test_tied_embeddings_stay_in_sync(name):
             # whose rounding is bounded by 8·eps·(largest partial sum) <= 8·eps·2·max|g|
             bound = 16 * eps * scale if param.endswith(("tok_embeddings.weight", "output.weight")) else 0.0
             assert diff <= bound, f"tied embeddings, rank {rank}: {param} differs by {diff:.3g} (bound {bound:.3g})"
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_same_gradients_as_torch_pipelining(name):
+    result = versus_torch(name, p=2, steps=2)
+    for rank, diffs in result["diffs"].items():
+        worst = max(diffs, key=diffs.get)
+        # bit-equal: both run each micro-batch's forward and backward with the same ops, accumulate the
+        # m gradients in micro-batch order and scale by 1/m = a power of two (torch after, course_lib before)
+        assert diffs[worst] == 0.0, (
+            f"{name}: rank {rank}'s gradient of {worst} differs from torch.distributed.pipelining."
+            f"{TORCH_SCHEDULES[name]}'s by {diffs[worst]:.3g}"
+        )
+
+
+def test_same_gradients_as_torch_pipelining_at_four_ranks():
+    for name in ("1f1b", "interleaved"):
+        result = versus_torch(name, p=4, steps=2)
+        assert all(max(d.values()) == 0.0 for d in result["diffs"].values()), (name, result["diffs"])
+
+
+@pytest.mark.parametrize("m", [8, 16])
+def test_measured_1f1b_bubble_is_within_15_percent_of_the_formula(m):
+    # stages made equal by sleeping 40 ms forward and 80 ms backward: 4 ranks on 2 cores do not compete,
+    # and the runtime's own overhead (P2P, Python, about 1 ms per action) is what separates the two
+    got, want = measured_bubble("1f1b", 4, m)["bubble"], cost.bubble_fraction(4, m)
+    assert abs(got - want) <= 0.15 * want, (
+        f"1F1B, p=4, m={m}: measured bubble {got:.3f}, formula (p-1)/(m+p-1) = {want:.3f}; more than 15% apart"
+    )

@@ -1,0 +1,144 @@
+"""course_lib's pipeline runtime beside torch.distributed.pipelining, schedule by schedule (lecture 03,
+tests/test_pipeline.py, benchmarks/pipeline.py).
+
+Both get the same stages (``course_lib.parallel.pipeline.stages.split`` of one seeded model), the
+same micro-batches and the same loss; each runs one training step; the gradients are compared
+tensor by tensor, and each step is timed. torch's schedules of the same shape:
+
+    gpipe        ScheduleGPipe              interleaved  ScheduleInterleaved1F1B
+    1f1b         Schedule1F1B               zb-h1        ScheduleInterleavedZeroBubble (1 stage per rank)
+    dualpipev    ScheduleDualPipeV
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed import pipelining
+
+from course_lib.dist import device, launch, trace
+from course_lib.model import config as configs
+from course_lib.model.transformer import Transformer, next_token_loss
+from course_lib.parallel.pipeline import runtime, stages
+from course_lib.parallel.pipeline.schedules import build
+
+TORCH_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved": "ScheduleInterleaved1F1B",
+    "zb-h1": "ScheduleInterleavedZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+MULTI_STAGE = ("interleaved", "zb-h1", "dualpipev")  # torch's PipelineScheduleMulti: a list of stages
+
+
+def _step_torch(name, schedule, parts, xs, ys):
+    rank = dist.get_rank()
+    held = schedule.stages_of(rank)
+    pstages = [pipelining.PipelineStage(parts[s], s, schedule.n_stages, device()) for s in held]
+    cls = getattr(pipelining, TORCH_SCHEDULES[name])
+    arg = pstages if name in MULTI_STAGE else pstages[0]
+    pipe = cls(arg, n_microbatches=schedule.m, loss_fn=next_token_loss)
+    batch, target = xs.flatten(0, 1), ys.flatten(0, 1)  # torch splits the batch into the m micro-batches
+    losses: list = []
+    args = (batch,) if 0 in held else ()
+    start = time.perf_counter()
+    pipe.step(*args, target=target if schedule.n_stages - 1 in held else None, losses=losses)
+    return time.perf_counter() - start, [loss.item() for loss in losses]
+
+
+def _compare_rank(name: str, m: int, v: int, n_layers: int, seed: int, steps: int) -> dict:
+    p = dist.get_world_size()
+    cfg = configs.get("tiny", n_layers=n_layers)
+    schedule = build(name, p, m, v)
+    g = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, cfg.vocab_size, (m, 2, 33), generator=g)
+    xs, ys = tokens[:, :, :-1].contiguous(), tokens[:, :, 1:].contiguous()
+    grads, seconds = {}, {"course_lib": [], "torch": []}
+    for who in ("course_lib", "torch"):
+        torch.manual_seed(seed)
+        parts = stages.split(Transformer(cfg).to(device()), schedule.n_stages)
+        mine = {s: parts[s] for s in schedule.stages_of(dist.get_rank())}
+        for _ in range(steps):  # the first step of each warms up (torch infers shapes on it)
+            for part in mine.values():
+                part.zero_grad(set_to_none=True)
+            dist.barrier()
+            if who == "course_lib":
+                start = time.perf_counter()
+                runtime.run_step(schedule, mine, xs, ys, next_token_loss, (2, 32, cfg.d_model))
+                seconds[who].append(time.perf_counter() - start)
+            else:
+                seconds[who].append(_step_torch(name, schedule, parts, xs, ys)[0])
+        grads[who] = {f"s{s}.{n}": p.grad.clone() for s, part in mine.items() for n, p in part.named_parameters()}
+    diffs = {k: (grads["course_lib"][k] - grads["torch"][k]).abs().max().item() for k in grads["torch"]}
+    return {"diffs": diffs, "seconds": {k: sorted(v[1:])[len(v[1:]) // 2] for k, v in seconds.items()}}
+
+
+def versus_torch(name: str, p: int = 2, m: int | None = None, steps: int = 3, seed: int = 0) -> dict:
+    """One step of schedule ``name`` by course_lib and by torch.distributed.pipelining on ``p`` ranks.
+
+    Returns {"diffs": {rank: {parameter: max |course_lib - torch| of its gradient}}, "seconds":
+    {"course_lib", "torch"}: rank 0's median step time over ``steps`` - 1 timed steps}.
+    """
+    v = 2 if name in ("interleaved", "dualpipev") else 1
+    m = m or 2 * p
+    per_rank = launch(_compare_rank, p, name, m, v, p * v, seed, steps, timeout=240)
+    return {"diffs": dict(enumerate(r["diffs"] for r in per_rank)), "seconds": per_rank[0]["seconds"]}
+
+
+# ------------------------------------------------------------------ the bubble, measured fairly
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity that takes ``t_f`` seconds forward and ``t_b`` backward without using a core."""
+
+    @staticmethod
+    def forward(ctx, x, t_f: float, t_b: float):
+        ctx.t_b = t_b
+        time.sleep(t_f)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.t_b)
+        return grad, None, None
+
+
+class SleepStage(torch.nn.Module):
+    """A stage whose forward lasts ``t_f`` and backward ``t_b``: equal stages, whatever the cores do."""
+
+    def __init__(self, t_f: float, t_b: float):
+        super().__init__()
+        self.t_f, self.t_b = t_f, t_b
+        self.weight = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(x.float() * self.weight, self.t_f, self.t_b)
+
+
+def _bubble_rank(name: str, m: int, v: int, t_f: float, t_b: float) -> dict:
+    schedule = build(name, dist.get_world_size(), m, v)
+    mine = {s: SleepStage(t_f / v, t_b / v) for s in schedule.stages_of(dist.get_rank())}
+    xs = [torch.zeros(1, 1) for _ in range(m)]
+    dist.barrier()
+    with trace.record() as timeline:
+        runtime.run_step(schedule, mine, xs, xs, lambda y, _t: y.sum(), (1, 1))
+    return {"spans": [(s.name, s.start, s.end) for s in timeline.spans if s.kind == "compute"]}
+
+
+def measured_bubble(name: str = "1f1b", p: int = 4, m: int = 8, t_f: float = 0.04, t_b: float = 0.08) -> dict:
+    """The idle share of one step, read from the runtime's trace, with every stage made to take
+    ``t_f`` forward and ``t_b`` backward by sleeping: p ranks on fewer cores then do not compete for
+    them, and what is measured is the schedule plus the runtime's own overhead.
+
+    Returns {"bubble": 1 - busy / (p · makespan), "spans": per-rank (name, start, end) lists}.
+    """
+    v = 2 if name in ("interleaved", "dualpipev") else 1
+    per_rank = launch(_bubble_rank, p, name, m, v, t_f, t_b, timeout=120)
+    spans = [r["spans"] for r in per_rank]
+    start = min(s[1] for r in spans for s in r)
+    end = max(s[2] for r in spans for s in r)
+    busy = sum(s[2] - s[1] for r in spans for s in r)
+    return {"bubble": 1 - busy / (p * (end - start)), "spans": spans}
