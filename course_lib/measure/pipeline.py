@@ -49,12 +49,12 @@ def _step_torch(name, schedule, parts, xs, ys):
     return time.perf_counter() - start, [loss.item() for loss in losses]
 
 
-def _compare_rank(name: str, m: int, v: int, n_layers: int, seed: int, steps: int) -> dict:
+def _compare_rank(name: str, m: int, v: int, config: str, batch: int, seq: int, seed: int, steps: int) -> dict:
     p = dist.get_world_size()
-    cfg = configs.get("tiny", n_layers=n_layers)
+    cfg = configs.get(config, n_layers=p * v)
     schedule = build(name, p, m, v)
     g = torch.Generator().manual_seed(seed + 1)
-    tokens = torch.randint(0, cfg.vocab_size, (m, 2, 33), generator=g)
+    tokens = torch.randint(0, cfg.vocab_size, (m, batch, seq + 1), generator=g)
     xs, ys = tokens[:, :, :-1].contiguous(), tokens[:, :, 1:].contiguous()
     grads, seconds = {}, {"course_lib": [], "torch": []}
     for who in ("course_lib", "torch"):
@@ -67,7 +67,7 @@ def _compare_rank(name: str, m: int, v: int, n_layers: int, seed: int, steps: in
             dist.barrier()
             if who == "course_lib":
                 start = time.perf_counter()
-                runtime.run_step(schedule, mine, xs, ys, next_token_loss, (2, 32, cfg.d_model))
+                runtime.run_step(schedule, mine, xs, ys, next_token_loss, (batch, seq, cfg.d_model))
                 seconds[who].append(time.perf_counter() - start)
             else:
                 seconds[who].append(_step_torch(name, schedule, parts, xs, ys)[0])
@@ -76,15 +76,25 @@ def _compare_rank(name: str, m: int, v: int, n_layers: int, seed: int, steps: in
     return {"diffs": diffs, "seconds": {k: sorted(v[1:])[len(v[1:]) // 2] for k, v in seconds.items()}}
 
 
-def versus_torch(name: str, p: int = 2, m: int | None = None, steps: int = 3, seed: int = 0) -> dict:
-    """One step of schedule ``name`` by course_lib and by torch.distributed.pipelining on ``p`` ranks.
+def versus_torch(
+    name: str,
+    p: int = 2,
+    m: int | None = None,
+    steps: int = 3,
+    seed: int = 0,
+    config: str = "tiny",
+    batch: int = 2,
+    seq: int = 32,
+) -> dict:
+    """Schedule ``name`` by course_lib and by torch.distributed.pipelining on ``p`` ranks: ``config``
+    with p·v blocks, m micro-batches of ``batch`` x ``seq`` tokens, ``steps`` steps each.
 
     Returns {"diffs": {rank: {parameter: max |course_lib - torch| of its gradient}}, "seconds":
     {"course_lib", "torch"}: rank 0's median step time over ``steps`` - 1 timed steps}.
     """
     v = 2 if name in ("interleaved", "dualpipev") else 1
     m = m or 2 * p
-    per_rank = launch(_compare_rank, p, name, m, v, p * v, seed, steps, timeout=240)
+    per_rank = launch(_compare_rank, p, name, m, v, config, batch, seq, seed, steps, timeout=600)
     return {"diffs": dict(enumerate(r["diffs"] for r in per_rank)), "seconds": per_rank[0]["seconds"]}
 
 
