@@ -149,6 +149,8 @@ def _run(name, v, m=4, n_layers=None, tie=False, seed=0):
         "ref_losses": {i: ref_losses[i] for i in result.losses},
         "diffs": diffs,
         "peak": result.peak_in_flight,
+        "peak_bytes": result.peak_activation_bytes,
+        "bytes_per_microbatch": result.activation_bytes,
         "sent": c.bytes("isend"),
         "hidden_bytes": 2 * 16 * cfg.d_model * 4,
     }
@@ -172,6 +174,13 @@ def test_runtime_equals_the_unpipelined_model(name, p):
         assert r["peak"] == cost.in_flight_microbatches(name, p, rank, m, V[name]), (
             f"{name}, p={p}: rank {rank} held {r['peak']} micro-batches' activations at once"
         )
+        if V[name] == 1:  # one stage per rank: every micro-batch saves the same bytes on it
+            (per_mb,) = r["bytes_per_microbatch"].values()
+            assert r["peak_bytes"] == r["peak"] * per_mb, (
+                f"{name}, p={p}: rank {rank} held {r['peak_bytes']} B of saved activations at its peak; "
+                f"{r['peak']} micro-batches in flight x {per_mb} B each = {r['peak'] * per_mb}: a backward "
+                "that does not free its micro-batch's activations, or a forward that saves more than one's worth"
+            )
     total = sum(r["sent"] for r in per_rank)
     boundaries = 2 * p - 2 if name == "dualpipev" else p * V[name] - 1  # the V turns on one rank
     assert total == cost.p2p_bytes_per_step(m, boundaries, per_rank[0]["hidden_bytes"]), (

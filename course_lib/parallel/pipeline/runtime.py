@@ -35,6 +35,8 @@ from course_lib.parallel.pipeline.schedules import RECV_B, RECV_F, SEND_B, SEND_
 class StepResult:
     losses: dict[int, float] = field(default_factory=dict)  # micro-batch -> loss (ranks with the last stage)
     peak_in_flight: int = 0  # most (micro-batch, stage) activations held at once on this rank
+    peak_activation_bytes: int = 0  # most bytes autograd kept saved for backward at once on this rank
+    activation_bytes: dict[int, int] = field(default_factory=dict)  # stage -> bytes one micro-batch saves
 
 
 def _tag(kind: str, microbatch: int, stage: int, n_stages: int) -> int:
@@ -73,6 +75,23 @@ def run_step(
 
     inbox: dict[tuple, torch.Tensor] = {}  # ("F" | "B", micro-batch, stage it is for) -> tensor
     saved: dict[tuple, tuple] = {}  # (micro-batch, stage) -> (input, output)
+    held: dict[tuple, int] = {}  # (micro-batch, stage) -> bytes autograd saved in its forward
+    weights = {p.untyped_storage()._cdata for st in stages.values() for p in st.parameters()}
+    weights |= {b.untyped_storage()._cdata for st in stages.values() for b in st.buffers()}
+
+    def counting(key: tuple):
+        """Count the distinct storages autograd saves for backward (weights and RoPE tables are not activations)."""
+        storages: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            st = t.untyped_storage()
+            if st._cdata not in weights:
+                storages[st._cdata] = st.nbytes()
+            held[key] = sum(storages.values())
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
     sends, result = [], StepResult()
     for a in schedule.actions[rank]:
         key, s = (a.microbatch, a.stage), a.stage
@@ -85,7 +104,7 @@ def run_step(
             dist.recv(g, peer(s + 1), group=group, tag=_tag("B", a.microbatch, s + 1, n))
             inbox[("B", *key)] = g
         elif a.op == F:
-            with trace.span("F", mb=a.microbatch, stage=s):
+            with trace.span("F", mb=a.microbatch, stage=s), counting(key):
                 if s == 0:
                     x = microbatches[a.microbatch].to(device)
                 else:
@@ -99,11 +118,15 @@ def run_step(
                     inbox["F", a.microbatch, s + 1] = y.detach()
             saved[key] = (x, y)
             result.peak_in_flight = max(result.peak_in_flight, len(saved))
+            result.activation_bytes[s] = held.get(key, 0)
+            result.peak_activation_bytes = max(result.peak_activation_bytes, sum(held.values()))
         elif a.op == SEND_F:
             out = saved[key][1].detach()
             sends.append((dist.isend(out, peer(s + 1), group=group, tag=_tag("F", *key, n)), out))
         elif a.op in (B, I):
             x, y = saved[key] if a.op == I else saved.pop(key)
+            if a.op == B:
+                held.pop(key, None)  # the backward frees what the forward saved
             grad = None if s == n - 1 else inbox.pop(("B", *key))
             with trace.span(a.op, mb=a.microbatch, stage=s):
                 if a.op == B:
@@ -117,6 +140,7 @@ def run_step(
                 inbox[("B", a.microbatch, s - 1) if local else ("dx", *key)] = x.grad
         elif a.op == W:
             x, y, grad = saved.pop(key)
+            held.pop(key, None)
             params = [p for p in stages[s].parameters() if p.requires_grad]
             with trace.span("W", mb=a.microbatch, stage=s):
                 torch.autograd.backward(y, grad, inputs=params)
