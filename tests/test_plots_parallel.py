@@ -1,10 +1,13 @@
-"""course_lib.plots.context_parallel: the helpers draw what they are given (read back from the Axes)."""
+"""course_lib.plots.context_parallel and .pipeline: the helpers draw what they are given (read back from the Axes)."""
 
 import numpy as np
 import pytest
 
 from course_lib.parallel.context import ring_attention
+from course_lib.parallel.pipeline.schedules import build
+from course_lib.parallel.pipeline.simulate import simulate
 from course_lib.plots import context_parallel as plots_parallel
+from course_lib.plots.pipeline import schedule_gantt
 
 
 def test_chunk_owners_follow_the_library_layouts():
@@ -53,3 +56,13 @@ def test_memory_vs_length_is_log_log_and_skips_impossible_points():
     assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
     with pytest.raises(ValueError, match="3 sequence lengths"):
         plots_parallel.memory_vs_length([8, 16, 32], {"ring": [1, 2]})
+
+
+def test_schedule_gantt_draws_one_bar_per_action_on_its_rank():
+    sim = simulate(build("1f1b", 2, 3), {"F": 1.0, "B": 2.0})
+    ax = schedule_gantt(sim.spans, xlabel="time (F = 1)")
+    bars = [c.get_paths()[0].get_extents() for c in ax.collections]
+    assert len(bars) == 2 * 6, "3 forwards and 3 backwards on each of 2 ranks"
+    top = sorted((round(b.x0), round(b.x1)) for b in bars if b.y0 > 0.5)  # rank 0 is the upper row
+    assert top[0] == (0, 1) and len(top) == 6, f"rank 0 starts with F0 at t = 0..1: {top}"
+    assert [t.get_text() for t in ax.texts].count("0") == 4, "micro-batch 0: F and B on both ranks"

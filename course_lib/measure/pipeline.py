@@ -135,7 +135,7 @@ def _bubble_rank(name: str, m: int, v: int, t_f: float, t_b: float) -> dict:
     dist.barrier()
     with trace.record() as timeline:
         runtime.run_step(schedule, mine, xs, xs, lambda y, _t: y.sum(), (1, 1))
-    return {"spans": [(s.name, s.start, s.end) for s in timeline.spans if s.kind == "compute"]}
+    return {"spans": [s for s in timeline.spans if s.kind == "compute"]}
 
 
 def measured_bubble(name: str = "1f1b", p: int = 4, m: int = 8, t_f: float = 0.04, t_b: float = 0.08) -> dict:
@@ -143,12 +143,39 @@ def measured_bubble(name: str = "1f1b", p: int = 4, m: int = 8, t_f: float = 0.0
     ``t_f`` forward and ``t_b`` backward by sleeping: p ranks on fewer cores then do not compete for
     them, and what is measured is the schedule plus the runtime's own overhead.
 
-    Returns {"bubble": 1 - busy / (p · makespan), "spans": per-rank (name, start, end) lists}.
+    Returns {"bubble": 1 - busy / (p · makespan), "spans": per-rank lists of trace Spans}.
     """
     v = 2 if name in ("interleaved", "dualpipev") else 1
     per_rank = launch(_bubble_rank, p, name, m, v, t_f, t_b, timeout=120)
     spans = [r["spans"] for r in per_rank]
-    start = min(s[1] for r in spans for s in r)
-    end = max(s[2] for r in spans for s in r)
-    busy = sum(s[2] - s[1] for r in spans for s in r)
+    start = min(s.start for r in spans for s in r)
+    end = max(s.end for r in spans for s in r)
+    busy = sum(s.duration for r in spans for s in r)
     return {"bubble": 1 - busy / (p * (end - start)), "spans": spans}
+
+
+# ------------------------------------------------------------------ activations in flight
+
+
+def _memory_rank(name: str, m: int, v: int, batch: int, seq: int, seed: int) -> dict:
+    p = dist.get_world_size()
+    cfg = configs.get("tiny", n_layers=p * v)
+    schedule = build(name, p, m, v)
+    torch.manual_seed(seed)
+    parts = stages.split(Transformer(cfg).to(device()), schedule.n_stages)
+    mine = {s: parts[s] for s in schedule.stages_of(dist.get_rank())}
+    g = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, cfg.vocab_size, (m, batch, seq + 1), generator=g)
+    r = runtime.run_step(
+        schedule, mine, tokens[:, :, :-1], tokens[:, :, 1:], next_token_loss, (batch, seq, cfg.d_model)
+    )
+    return {"in_flight": r.peak_in_flight, "peak_bytes": r.peak_activation_bytes, "per_microbatch": r.activation_bytes}
+
+
+def activations_in_flight(
+    name: str, p: int = 4, m: int = 8, batch: int = 2, seq: int = 32, seed: int = 0
+) -> list[dict]:
+    """Per rank, one real step of the course model (``tiny`` with p·v blocks): the most micro-batches
+    in flight, the most bytes of saved activations, and the bytes one micro-batch saves per stage."""
+    v = 2 if name in ("interleaved", "dualpipev") else 1
+    return launch(_memory_rank, p, name, m, v, batch, seq, seed, timeout=120)
