@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.cost import pipeline as cost
+from course_lib.cost.activations import activation_bytes_per_layer
 from course_lib.dist import counter, launch
 from course_lib.measure.pipeline import TORCH_SCHEDULES, measured_bubble, versus_torch
 from course_lib.model import config as configs
@@ -101,6 +102,14 @@ def test_invalid_setups_name_the_constraint():
         build("2f2b", 4, 8)
     with pytest.raises(ValueError, match="8 pipeline stages need at least 8 transformer blocks"):
         stages.split(Transformer(configs.get("tiny", n_layers=4)), 8)
+    with pytest.raises(ValueError, match=r"6 transformer blocks do not split into 4 equal stages \(p·v = 4\)"):
+        stages.split(Transformer(configs.get("tiny", n_layers=6)), 4, uniform=True)  # p = 2, v = 2
+
+
+def test_split_by_measured_cost_or_uniformly():
+    model = Transformer(configs.get("tiny", n_layers=6))
+    assert [s.blocks for s in stages.split(model, 2, block_costs=[5, 1, 1, 1, 1, 1])] == [[0], [1, 2, 3, 4, 5]]
+    assert [s.blocks for s in stages.split(model, 3, uniform=True)] == [[0, 1], [2, 3], [4, 5]]
 
 
 def test_balance_minimises_the_costliest_stage():
@@ -153,6 +162,8 @@ def _run(name, v, m=4, n_layers=None, tie=False, seed=0):
         "bytes_per_microbatch": result.activation_bytes,
         "sent": c.bytes("isend"),
         "hidden_bytes": 2 * 16 * cfg.d_model * 4,
+        "layer_bytes": activation_bytes_per_layer(cfg, 2, 16),  # the cost model, one block, one micro-batch
+        "blocks": {s: len(stage.blocks) for s, stage in mine.items()},
     }
 
 
@@ -181,6 +192,12 @@ def test_runtime_equals_the_unpipelined_model(name, p):
                 f"{r['peak']} micro-batches in flight x {per_mb} B each = {r['peak'] * per_mb}: a backward "
                 "that does not free its micro-batch's activations, or a forward that saves more than one's worth"
             )
+            if 0 < rank < p - 1:  # a middle stage holds blocks only: the cost model's bytes per layer
+                (blocks,) = r["blocks"].values()
+                assert per_mb == blocks * r["layer_bytes"], (
+                    f"{name}, p={p}: one micro-batch saves {per_mb} B on rank {rank}'s {blocks} block(s); "
+                    f"cost.activations says {blocks} x {r['layer_bytes']:.0f}"
+                )
     total = sum(r["sent"] for r in per_rank)
     boundaries = 2 * p - 2 if name == "dualpipev" else p * V[name] - 1  # the V turns on one rank
     assert total == cost.p2p_bytes_per_step(m, boundaries, per_rank[0]["hidden_bytes"]), (

@@ -84,9 +84,22 @@ class Stage(nn.Module):
         return self.output(self.norm(h)) if self.last else h
 
 
-def split(model: Transformer, n_stages: int, block_costs: Sequence[float] | None = None) -> list[Stage]:
-    """``model`` cut into ``n_stages`` stages, balanced by parameter count or by ``block_costs``."""
+def split(
+    model: Transformer, n_stages: int, block_costs: Sequence[float] | None = None, uniform: bool = False
+) -> list[Stage]:
+    """``model`` cut into ``n_stages`` stages, balanced by parameter count or by ``block_costs``; with
+    ``uniform``, the same number of blocks on every stage, as Megatron-LM lays out its (virtual)
+    pipeline stages, which requires n_layers to be a multiple of n_stages (= p·v)."""
     count = lambda m: sum(p.numel() for p in m.parameters())
+    n_layers = len(model.layers)
+    if uniform:
+        if n_layers % n_stages:
+            raise ValueError(
+                f"uniform stages: {n_layers} transformer blocks do not split into {n_stages} equal stages "
+                f"(p·v = {n_stages}); choose p·v dividing n_layers, or balance by cost (uniform=False)"
+            )
+        per = n_layers // n_stages
+        return [Stage(model, s, n_stages, range(s * per, (s + 1) * per)) for s in range(n_stages)]
     if block_costs is None:
         block_costs = [count(b) for b in model.layers]
         first, last = count(model.tok_embeddings), count(model.norm) + model.output.weight.numel()
