@@ -245,3 +245,22 @@ def test_measured_1f1b_bubble_is_within_15_percent_of_the_formula(m):
     assert abs(got - want) <= 0.15 * want, (
         f"1F1B, p=4, m={m}: measured bubble {got:.3f}, formula (p-1)/(m+p-1) = {want:.3f}; more than 15% apart"
     )
+
+
+def test_messages_are_received_in_the_order_they_were_sent():
+    # NCCL matches a pair's messages in send order. DualPipeV at p = 4 sends rank 1 chunk 0's activations
+    # and chunk 1's gradients over one link in an order that rank 1's list does not receive them in;
+    # the runtime receives in the sender's order (runtime.arrival_order) and the test above runs it.
+    schedule = build("dualpipev", 4, 8, 2)
+    sent = runtime.arrival_order(schedule, 0, 1)
+    needed = [
+        (a.op[-1], a.microbatch, a.stage - 1 if a.op == "RECV_F" else a.stage + 1)
+        for a in schedule.actions[1]
+        if a.op in ("RECV_F", "RECV_B") and schedule.placement[a.stage - 1 if a.op == "RECV_F" else a.stage + 1] == 0
+    ]
+    assert sorted(sent) == sorted(needed) and sent != needed, "the same messages, in another order"
+    for name in ("gpipe", "1f1b", "interleaved", "zb-h1"):  # these need them in the order they are sent
+        s = build(name, 4, 8, V[name])
+        assert runtime.arrival_order(s, 0, 1) == [
+            (a.op[-1], a.microbatch, a.stage - 1) for a in s.actions[1] if a.op == "RECV_F"
+        ], name

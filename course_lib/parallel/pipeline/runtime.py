@@ -11,8 +11,12 @@ Each rank walks its action list from :mod:`course_lib.parallel.pipeline.schedule
             second time from the stage's output, so its gradients are exact but it re-does part of
             I's work; torch.distributed.pipelining keeps I's intermediate gradients instead.
     SEND_*  ``dist.isend`` (non-blocking; completed before the step returns)
-    RECV_*  ``dist.recv`` (blocking), with a tag per (kind, micro-batch, stage) so that messages
-            pair up by meaning, not by arrival order
+    RECV_*  ``dist.recv`` (blocking). NCCL ignores tags and matches a pair's messages in the order
+            they were sent, and a schedule may need them in another order (DualPipeV at p >= 3: a
+            rank sends chunk 0's activations and chunk 1's gradients down the same link). So a
+            rank receives each neighbour's messages in *the sender's* order — every rank knows every
+            list — and keeps the ones that come early until their action needs them. Each message
+            also carries a tag per (kind, micro-batch, stage), which gloo checks.
 
 A stage's saved input and output are dropped when its last backward action for that micro-batch
 has run: that is the moment its activations are freed, and ``peak_in_flight`` counts them.
@@ -37,6 +41,16 @@ class StepResult:
     peak_in_flight: int = 0  # most (micro-batch, stage) activations held at once on this rank
     peak_activation_bytes: int = 0  # most bytes autograd kept saved for backward at once on this rank
     activation_bytes: dict[int, int] = field(default_factory=dict)  # stage -> bytes one micro-batch saves
+
+
+def arrival_order(schedule: Schedule, src: int, dst: int) -> list[tuple[str, int, int]]:
+    """The messages rank ``src`` sends to rank ``dst``, in the order it sends them:
+    ("F" | "B", micro-batch, the sending stage)."""
+    out = []
+    for a in schedule.actions[src]:
+        if a.op in (SEND_F, SEND_B) and schedule.placement[a.stage + (1 if a.op == SEND_F else -1)] == dst:
+            out.append((a.op[-1], a.microbatch, a.stage))
+    return out
 
 
 def _tag(kind: str, microbatch: int, stage: int, n_stages: int) -> int:
@@ -93,16 +107,17 @@ def run_step(
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
     sends, result = [], StepResult()
+    arrivals = {src: arrival_order(schedule, src, rank) for src in range(schedule.p) if src != rank}
     for a in schedule.actions[rank]:
         key, s = (a.microbatch, a.stage), a.stage
-        if a.op == RECV_F:
-            x = torch.empty(hidden_shape, dtype=dtype, device=device)
-            dist.recv(x, peer(s - 1), group=group, tag=_tag("F", a.microbatch, s - 1, n))
-            inbox[("F", *key)] = x
-        elif a.op == RECV_B:
-            g = torch.empty(hidden_shape, dtype=dtype, device=device)
-            dist.recv(g, peer(s + 1), group=group, tag=_tag("B", a.microbatch, s + 1, n))
-            inbox[("B", *key)] = g
+        if a.op in (RECV_F, RECV_B):
+            kind, src = a.op[-1], s - 1 if a.op == RECV_F else s + 1
+            sender = schedule.placement[src]
+            while (kind, a.microbatch, s) not in inbox:  # receive in the sender's order until ours is in
+                k, mb, their = arrivals[sender].pop(0)
+                t = torch.empty(hidden_shape, dtype=dtype, device=device)
+                dist.recv(t, peer(their), group=group, tag=_tag(k, mb, their, n))
+                inbox[(k, mb, their + 1 if k == "F" else their - 1)] = t
         elif a.op == F:
             with trace.span("F", mb=a.microbatch, stage=s), counting(key):
                 if s == 0:
