@@ -20,6 +20,7 @@ from course_lib.grading.adapter import Adapter
 from course_lib.grading.labs import lab02_ddp as lab02
 from course_lib.grading.labs import lab03_zero as lab03
 from course_lib.grading.labs import lab04_tensor_parallel as lab04
+from course_lib.grading.labs import lab05_pipeline as lab05
 from course_lib.grading.labs import lab06_sequence_parallel as lab06
 
 SHIMS = str(Path(__file__).resolve().parent / "lab_shims.py")
@@ -44,13 +45,18 @@ LIBRARY = {
         VocabParallelEmbedding="course_lib.parallel.tensor.layers",
         vocab_parallel_cross_entropy="course_lib.parallel.tensor.layers",
     ),
+    "lab05": Adapter.of_library(  # the lab's functions are the ones build() composes, same signatures
+        one_f_one_b="course_lib.parallel.pipeline.schedules:_one_f_one_b",
+        with_messages="course_lib.parallel.pipeline.schedules:with_messages",
+        interleaved="course_lib.parallel.pipeline.schedules:_interleaved",
+    ),
     "lab06": Adapter.of_library(
         merge_partials="course_lib.parallel.context.ring_attention",
         ring_attention="course_lib.parallel.context.ring_attention",
         ulysses_attention="course_lib.parallel.context.ulysses",
     ),
 }
-GRADERS = {"lab02": lab02, "lab03": lab03, "lab04": lab04, "lab06": lab06}
+GRADERS = {"lab02": lab02, "lab03": lab03, "lab04": lab04, "lab05": lab05, "lab06": lab06}
 NOT_IN_LIBRARY = {lab03.check_padding}  # see the module docstring
 ROLES_NOT_IN_LIBRARY = {"lab03": {"padded_size", "shard_of"}}
 CHECKS = [

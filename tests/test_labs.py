@@ -81,3 +81,25 @@ def test_lab01_runs_under_accelerate_launch_at_4_ranks(accelerate_launch):
     out = accelerate_launch("solutions/lab01_collectives/run.py", "--sizes-kib", 4, "--repeats", 2)
     assert "4 ranks" in out.stdout and "correct: all three equal torch.distributed" in out.stdout
     assert "rank 0 sent 1572864 B; 2(N-1)/N·S = 1572864 B" in out.stdout
+
+
+@pytest.mark.parametrize("v", [1, 2])
+def test_lab05_runs_under_accelerate_launch_with_its_2_rank_config(accelerate_launch, v):
+    """Lab 05's entry point (tests/test_pipeline.py tests the library's pipeline; the lab's script is here)."""
+    out = accelerate_launch(
+        "solutions/lab05_pipeline/run.py",
+        "--steps",
+        2,
+        "--v",
+        v,
+        config="solutions/accelerate/pipeline_cpu.yaml",
+        timeout=240,
+    )
+    if v == 1:
+        assert "1F1B over p=2 ranks, m=8 micro-batches" in out.stdout, out.stdout
+        assert "rank 0 |FF..BBFBBFBBFBBFBBFBBFBB.BB|" in out.stdout, "rank 0 idles 3 units, 2 before its first B"
+        assert "bubble: 0.1111 of the step; (p - 1)/(m + p - 1) = 0.1111" in out.stdout
+    else:
+        assert "interleaved 1F1B, v=2 over p=2 ranks" in out.stdout, out.stdout
+        assert "bubble: 0.0588 of the step; (p - 1)/(v·m + p - 1) = 0.0588" in out.stdout
+    assert "the pipelined model follows the whole model bit for bit" in out.stdout

@@ -187,7 +187,7 @@ def _dualpipe_v(p: int, m: int, r: int) -> list[Action]:
 # ----------------------------------------------------------------------------- messages
 
 
-def _with_messages(compute: list[Action], placement: tuple[int, ...]) -> tuple[Action, ...]:
+def with_messages(compute: list[Action], placement: tuple[int, ...]) -> tuple[Action, ...]:
     """Insert a blocking receive before each compute that needs another rank's tensor, and a send
     after each compute whose result another rank needs."""
     n, rank = len(placement), placement[compute[0].stage] if compute else None
@@ -241,7 +241,7 @@ def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
         "interleaved": lambda r: _interleaved(p, m, v, r),
         "dualpipev": lambda r: _dualpipe_v(p, m, r),
     }[name]
-    actions = tuple(_with_messages(order(r), placement) for r in range(p))
+    actions = tuple(with_messages(order(r), placement) for r in range(p))
     return Schedule(name, p, m, v, placement, actions)
 
 
