@@ -1,0 +1,107 @@
+"""course_lib.model.moe: routing, capacity, balancing losses and the layer against a per-token reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from course_lib.model import moe
+
+E, D, FF = 8, 16, 32
+
+
+def _balanced_routing(t=16, k=2):
+    """Every expert gets the same share of assignments and the same mean score 1/E (exact in binary)."""
+    experts = (torch.arange(t * k) % E).view(t, k)
+    scores = torch.full((t, E), 1 / E)
+    return moe.Routing(experts, torch.full((t, k), 1 / k), torch.ones(t, k, dtype=torch.bool), scores, scores.log())
+
+
+def test_balancing_losses_are_one_at_perfect_balance():
+    routing = _balanced_routing()
+    assert moe.switch_aux_loss(routing, E).item() == 1.0, "E·Σ f_i P_i = E·E·(1/E)(1/E) = 1 exactly"
+    assert moe.sequence_balance_loss(routing, E, seq_len=8).item() == 1.0, "f_i = 1 and P_i = 1/E per sequence"
+    skewed = moe.Routing(
+        torch.zeros(16, 1, dtype=torch.long),
+        torch.ones(16, 1),
+        torch.ones(16, 1, dtype=torch.bool),
+        torch.eye(E)[torch.zeros(16, dtype=torch.long)],
+        torch.zeros(16, E),
+    )
+    assert moe.switch_aux_loss(skewed, E).item() == E, "everything on one expert with probability 1: E"
+
+
+def test_capacity_drops_the_late_assignments():
+    torch.manual_seed(0)
+    router = moe.Router(D, E, 2, capacity_factor=1.0)
+    x = torch.randn(64, D)
+    r = router(x)
+    cap = moe.capacity(64, 2, E, 1.0)
+    assert not r.kept.all(), "this seed overfills some expert: the test must see drops"
+    assert cap == 16 and r.load(E).max().item() <= cap, f"an expert took {r.load(E).max()} > capacity {cap}"
+    for e in range(E):  # first come, first served: the kept ones are the earliest assignments
+        order = r.kept.flatten()[r.experts.flatten() == e]
+        assert not (~order[:-1] & order[1:]).any(), f"expert {e} kept a later assignment after dropping an earlier one"
+    assert r.kept.all() == (r.load(E).sum() == 128), "nothing dropped exactly when every assignment is kept"
+
+
+def test_node_limited_routing_stays_within_m_groups():
+    torch.manual_seed(0)
+    router = moe.Router(D, 16, 4, score="sigmoid", n_groups=4, topk_groups=2)
+    r = router(torch.randn(256, D))
+    groups = (r.experts // 4).sort(-1).values
+    n_groups = 1 + (groups[:, 1:] != groups[:, :-1]).sum(-1)
+    assert n_groups.max().item() <= 2, f"a token reached {n_groups.max().item()} groups; at most topk_groups = 2"
+
+
+def test_the_balancing_bias_chooses_but_does_not_weigh():
+    torch.manual_seed(0)
+    router = moe.Router(D, E, 2, score="sigmoid")
+    x = torch.randn(32, D)
+    before = router(x)
+    router.bias[3] = 10.0  # expert 3 now wins every selection
+    after = router(x)
+    assert (after.experts == 3).any(-1).all(), "with a large bias expert 3 is chosen by every token"
+    want = after.scores.gather(1, after.experts)
+    assert torch.equal(after.weights, want / want.sum(-1, keepdim=True)), "the gates come from the scores, not the bias"
+    assert torch.equal(before.scores, after.scores), "the bias leaves the scores alone"
+    router.update_bias(torch.tensor([0, 0, 0, 64, 0, 0, 0, 0]), rate=0.5)
+    assert router.bias[3].item() == 9.5 and router.bias[0].item() == 0.5, "over-loaded down, under-loaded up"
+
+
+@pytest.mark.parametrize(
+    "score, k, shared, cf", [("softmax", 1, 0, None), ("softmax", 2, 1, 1.0), ("sigmoid", 2, 1, 1.25)]
+)
+def test_layer_equals_a_per_token_reference(score, k, shared, cf):
+    torch.manual_seed(0)
+    layer = moe.MoE(D, FF, E, k, n_shared=shared, score=score, capacity_factor=cf, aux_coef=0.01, z_coef=1e-3)
+    x = torch.randn(2, 12, D)
+    y = layer(x)
+    r, flat = layer.routing, x.reshape(-1, D)
+    want = torch.stack(
+        [
+            sum(
+                (r.weights[t, j] * layer.experts[int(r.experts[t, j])](flat[t]) for j in range(k) if r.kept[t, j]),
+                torch.zeros(D),
+            )
+            + sum((s(flat[t]) for s in layer.shared), torch.zeros(D))
+            for t in range(len(flat))
+        ]
+    )
+    # at most k + shared + 1 = 4 terms per output, added in another order: 3·u·Σ|terms| with u = 2^-24;
+    # 1e-6 of the largest entry bounds it for these sizes
+    assert (y.reshape(-1, D) - want).abs().max() <= 1e-6 * want.abs().max(), "MoE output differs from the per-token sum"
+    assert set(layer.losses) == {"aux", "z"}, layer.losses
+    (y.square().sum() + sum(layer.losses.values())).backward()
+    assert layer.router.gate.weight.grad.abs().sum() > 0, "the router learns through the gates and the losses"
+
+
+def test_bad_configurations_are_clear_errors():
+    with pytest.raises(ValueError, match="top_k=9 must be in 1..n_experts=8"):
+        moe.Router(D, 8, 9)
+    with pytest.raises(ValueError, match="8 experts do not split into n_groups=3"):
+        moe.Router(D, 8, 2, n_groups=3)
+    with pytest.raises(ValueError, match="cannot offer top_k=4"):
+        moe.Router(D, 8, 4, n_groups=4, topk_groups=1)
+    with pytest.raises(ValueError, match="router score 'relu'"):
+        moe.Router(D, 8, 2, score="relu")
