@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from course_lib.cost.comm import ep_dispatch_bytes
 from course_lib.dist import counter, launch
 from course_lib.model import moe
 from course_lib.parallel.expert.dispatch import combine, dispatch, local_experts
@@ -61,6 +62,7 @@ def test_expert_parallel_equals_one_rank(ep):
             assert diff <= 1e-5, f"ep={ep}, rank {rank}: {name} differs by {diff:.2g} (relative to its largest entry)"
         # payloads counted per rank: token rows out (dispatch) and back (combine), expert ids, the counts
         want = kept * D * 4 + received * D * 4 + kept * 8 + ep * 8
+        assert kept * D * 4 == ep_dispatch_bytes(T, D, 2, 4), "no capacity limit: all T·k rows go out"
         assert sent == want, f"ep={ep}, rank {rank}: all-to-all payload {sent} B, expected {want}"
 
 

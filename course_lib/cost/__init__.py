@@ -5,8 +5,37 @@
 * :mod:`~course_lib.cost.comm`        — bytes each rank moves: ring collectives, ZeRO, ring attention, Ulysses, 2D/3D TP
 * :mod:`~course_lib.cost.alignment`   — padding to a multiple, GEMM tile utilisation
 * :mod:`~course_lib.cost.flops`       — FLOPs per token (6N + attention), MFU, arithmetic intensity, roofline
-* :mod:`~course_lib.cost.pipeline`    — micro-batches in flight per pipeline stage (GPipe, 1F1B)
+* :mod:`~course_lib.cost.pipeline`    — pipeline bubble, micro-batches in flight per schedule, P2P bytes
+* :mod:`~course_lib.cost.dollars`     — GPU-hours and what they cost
 * :mod:`~course_lib.cost.overlap`     — when a transfer hides behind compute (ring attention's block size)
 
 Nothing here launches ranks or touches a tensor; :mod:`course_lib.measure` measures what these predict.
+
+The calculators of the frontier-architecture lecture, at the package level:
+
+    cost.param_count(cfg)                         (total, active per token) parameters
+    cost.kv_cache_bytes_per_token(cfg, 2)         KV-cache bytes each token adds (MHA, GQA, MQA, MLA)
+    cost.train_flops_per_token(cfg, seq_len)      6N + attention (cost.flops)
+    cost.training_cost(gpu_hours, usd_per_hour)   dollars (cost.dollars)
+    cost.ep_comm_time(tokens, hidden, k, bytes_dispatch, bytes_combine, bandwidth)   (cost.comm)
 """
+
+from __future__ import annotations
+
+from course_lib.cost.comm import ep_comm_time
+from course_lib.cost.dollars import training_cost
+from course_lib.cost.flops import training_flops_per_token as train_flops_per_token
+
+
+def param_count(cfg) -> tuple[int, int]:
+    """(total parameters, parameters one token multiplies with): ``ModelConfig.n_params`` and
+    ``n_active_params``, where the formulas live."""
+    return cfg.n_params(), cfg.n_active_params()
+
+
+def kv_cache_bytes_per_token(cfg, dtype_bytes: int = 2) -> int:
+    """KV-cache bytes per token of context: ``ModelConfig.kv_cache_bytes_per_token``."""
+    return cfg.kv_cache_bytes_per_token(dtype_bytes)
+
+
+__all__ = ["ep_comm_time", "kv_cache_bytes_per_token", "param_count", "train_flops_per_token", "training_cost"]

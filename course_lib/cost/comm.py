@@ -335,3 +335,35 @@ def check_ulysses_divisible(n_heads: int, n_kv_heads: int, degree: int, seq_len:
             f"sequence length {seq_len} is not divisible by the Ulysses degree {degree}: every rank must hold "
             f"s/N tokens; pad the sequence to a multiple of {degree}"
         )
+
+
+def ep_dispatch_bytes(tokens: int, hidden: int, n_experts_per_token: int, bytes_per_element: float = 2) -> float:
+    """Bytes one rank's dispatch all-to-all carries for one MoE layer: every token goes once to each
+    of its k experts, a row of ``hidden`` elements each (GShard, Lepikhin et al. 2020, §2.2). The
+    combine sends as many rows back. DeepSeek-V3 (§3.3) dispatches in FP8 (1 byte, plus scales)
+    and combines in BF16 (2 bytes). Of these, (ep - 1)/ep leave the rank when experts are spread
+    evenly; the rest stays local."""
+    if min(tokens, hidden, n_experts_per_token) < 0 or bytes_per_element <= 0:
+        raise ValueError("tokens, hidden and n_experts_per_token must be >= 0 and bytes_per_element > 0")
+    return tokens * n_experts_per_token * hidden * bytes_per_element
+
+
+def ep_comm_time(
+    tokens: int,
+    hidden: int,
+    n_experts_per_token: int,
+    bytes_dispatch: float,
+    bytes_combine: float,
+    bandwidth: float,
+    remote_fraction: float = 1.0,
+) -> float:
+    """Seconds of one MoE layer's dispatch + combine all-to-alls on one rank's link: the bytes of
+    :func:`ep_dispatch_bytes` each way, times the share that leaves the rank, over ``bandwidth``
+    (bytes/s). Bandwidth-bound: no latency term, no overlap with compute (DualPipe hides it)."""
+    if bandwidth <= 0 or not 0 <= remote_fraction <= 1:
+        raise ValueError(
+            f"bandwidth must be > 0 (bytes/s) and 0 <= remote_fraction <= 1; got {bandwidth}, {remote_fraction}"
+        )
+    moved = ep_dispatch_bytes(tokens, hidden, n_experts_per_token, bytes_dispatch)
+    moved += ep_dispatch_bytes(tokens, hidden, n_experts_per_token, bytes_combine)
+    return remote_fraction * moved / bandwidth

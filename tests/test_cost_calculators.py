@@ -1,0 +1,50 @@
+"""The package-level calculators of course_lib.cost against counted parameters and known figures."""
+
+from __future__ import annotations
+
+import pytest
+import torch.nn as nn
+
+from course_lib import cost
+from course_lib.model import config as configs
+from course_lib.model import moe
+from course_lib.model.transformer import Block
+
+
+def _count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def test_moe_layer_parameters_total_and_active_match_a_built_layer():
+    cfg = configs.get("tiny", n_routed_experts=8, n_activated_experts=2, n_shared_experts=1, moe_d_ff=32)
+    dense = configs.get("tiny")
+    block = Block(dense)
+    attention_and_norms = _count(block) - _count(block.feed_forward)
+    layer = moe.MoE(cfg.d_model, cfg.moe_d_ff, 8, 2, n_shared=1)
+    per_expert = _count(layer.experts[0])
+    assert cfg.layer_params(0) == attention_and_norms + _count(layer), "total: every expert, shared, router"
+    active = attention_and_norms + _count(layer) - (8 - 2) * per_expert
+    assert cfg.layer_params(0, active=True) == active, "active: k routed experts, the shared one and the router"
+    total, active_model = cost.param_count(cfg)
+    assert (total, active_model) == (cfg.n_params(), cfg.n_active_params())
+
+
+def test_published_figures():
+    total, active = cost.param_count(configs.get("deepseek-v3"))
+    assert abs(total / 671e9 - 1) < 0.01 and abs(active / 37e9 - 1) < 0.03, (total, active)  # the report's 671B/37B
+    # DeepSeek-V3's MLA cache: 61 layers x (512 latent + 64 RoPE key) x 2 bytes
+    assert cost.kv_cache_bytes_per_token(configs.get("deepseek-v3")) == 61 * 576 * 2
+    assert cost.training_cost(2.788e6, 2.0) == 5.576e6, "DeepSeek-V3 report §1: 2.788M H800 hours at $2"
+    cfg = configs.get("tiny")
+    # 6N (N without the 2L + 1 norm gains) + per layer 6·T·H·(d_qk + d_v): 2 layers, T = 64, H = 4, head_dim 16
+    six_n = 6 * (cfg.n_active_params() - (2 * 2 + 1) * 64)
+    assert cost.train_flops_per_token(cfg, 64) == six_n + 2 * 6 * 64 * 4 * (16 + 16)
+
+
+def test_ep_comm_time():
+    # 4096 tokens, hidden 7168, 8 experts each, FP8 out (1 B) and BF16 back (2 B), 50 GB/s
+    seconds = cost.ep_comm_time(4096, 7168, 8, 1, 2, 50e9)
+    assert seconds == 4096 * 8 * 7168 * 3 / 50e9
+    assert cost.ep_comm_time(4096, 7168, 8, 1, 2, 50e9, remote_fraction=0.75) == 0.75 * seconds
+    with pytest.raises(ValueError, match="bandwidth must be > 0"):
+        cost.ep_comm_time(1, 1, 1, 1, 1, 0)
