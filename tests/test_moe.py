@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from course_lib.data import MarkovLanguage
+from course_lib.model import config as configs
 from course_lib.model import moe
+from course_lib.model.transformer import Transformer
 
 E, D, FF = 8, 16, 32
 
@@ -105,3 +108,30 @@ def test_bad_configurations_are_clear_errors():
         moe.Router(D, 8, 4, n_groups=4, topk_groups=1)
     with pytest.raises(ValueError, match="router score 'relu'"):
         moe.Router(D, 8, 2, score="relu")
+
+
+def _moe_cfg():
+    return configs.get("tiny", n_routed_experts=8, n_activated_experts=2, n_shared_experts=1, moe_d_ff=64)
+
+
+def test_moe_course_model_counts_and_trains_with_balancing():
+    cfg = _moe_cfg()
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    assert sum(p.numel() for p in model.parameters()) == cfg.n_params(), "ModelConfig.n_params counts the MoE model"
+    tokens = MarkovLanguage(seed=0).sample(32 * 33, seed=1).view(32, 33)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ratios, losses = [], []
+    for _ in range(30):
+        loss = model.loss(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        load = sum(layer.routing.load(8) for layer in model.moe_layers())
+        ratios.append((load.max() / load.float().mean()).item())
+        for layer in model.moe_layers():  # aux-loss-free balancing, after each step
+            layer.router.update_bias(layer.routing.load(8), rate=1e-2)
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], f"the MoE model should learn: loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+    early, late = sum(ratios[:5]) / 5, sum(ratios[-5:]) / 5
+    assert late < early, f"the bias should even out the load: max/mean {early:.2f} early, {late:.2f} late"

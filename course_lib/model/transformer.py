@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from course_lib.model.config import ModelConfig
 from course_lib.model.hf_export import export_hf
+from course_lib.model.moe import MoE
 
 __all__ = ["MLP", "Attention", "Block", "RMSNorm", "Transformer", "export_hf", "generate", "next_token_loss"]
 
@@ -118,14 +119,29 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-norm transformer layer: x + Attention(RMSNorm(x)), then h + MLP(RMSNorm(h))."""
+    """One pre-norm transformer layer: x + Attention(RMSNorm(x)), then h + FFN(RMSNorm(h)).
 
-    def __init__(self, cfg: ModelConfig):
+    The FFN is the dense SwiGLU, or with ``moe=True`` a mixture of experts as DeepSeek-V3 builds it
+    (:class:`course_lib.model.moe.MoE`): ``n_shared_experts`` always-on experts and the top
+    ``n_activated_experts`` of ``n_routed_experts``, sigmoid router scores, balanced by the
+    router's bias (the training loop calls ``update_bias``)."""
+
+    def __init__(self, cfg: ModelConfig, moe: bool = False):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.feed_forward = MLP(cfg)
+        if moe:
+            self.feed_forward = MoE(
+                cfg.d_model,
+                cfg.moe_d_ff,
+                cfg.n_routed_experts,
+                cfg.n_activated_experts,
+                n_shared=cfg.n_shared_experts,
+                score="sigmoid",
+            )
+        else:
+            self.feed_forward = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -141,7 +157,6 @@ def _check_runnable(cfg: ModelConfig) -> None:
         )
     other = "sliding-window" if cfg.sliding_window else "linear"
     later = [
-        (cfg.is_moe, f"mixture of experts (n_routed_experts={cfg.n_routed_experts}): lecture 03, MoE"),
         (cfg.is_mla, f"multi-head latent attention (kv_lora_rank={cfg.kv_lora_rank}): lecture 04, DeepSeek-V3"),
         (
             cfg.full_attention_interval > 1,
@@ -168,7 +183,7 @@ class Transformer(nn.Module):
         _check_runnable(cfg)
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, cfg.is_moe_layer(i)) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:  # one matrix both reads tokens in and scores them out (Press & Wolf 2017)
@@ -216,8 +231,16 @@ class Transformer(nn.Module):
         return self.output(self.norm(h))
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy; ``targets[b, t]`` is the token that follows ``tokens[b, t]``."""
-        return next_token_loss(self(tokens), targets)
+        """Mean next-token cross-entropy; ``targets[b, t]`` is the token that follows ``tokens[b, t]``;
+        plus the MoE layers' balancing losses, when they have any (coefficients set on each MoE)."""
+        loss = next_token_loss(self(tokens), targets)
+        for layer in self.moe_layers():
+            loss = loss + sum(layer.losses.values(), torch.zeros(()))
+        return loss
+
+    def moe_layers(self) -> list[MoE]:
+        """The mixture-of-experts feed-forwards, in layer order (empty for a dense model)."""
+        return [layer.feed_forward for layer in self.layers if isinstance(layer.feed_forward, MoE)]
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
