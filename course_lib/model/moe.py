@@ -37,7 +37,8 @@ SCORES = ("softmax", "sigmoid")
 
 
 class Expert(nn.Module):
-    """One SwiGLU feed-forward expert: w2(SiLU(w1·x) ⊙ w3·x)."""
+    """One SwiGLU feed-forward expert: w2(SiLU(w1·x) ⊙ w3·x) (Shazeer 2020, eq. 6); the dense model's
+    MLP is the same module at width d_ff."""
 
     def __init__(self, d_model: int, d_ff: int):
         super().__init__()

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from course_lib.model.config import ModelConfig
 from course_lib.model.hf_export import export_hf
-from course_lib.model.moe import MoE
+from course_lib.model.moe import Expert, MoE
 
 __all__ = ["MLP", "Attention", "Block", "RMSNorm", "Transformer", "export_hf", "generate", "next_token_loss"]
 
@@ -105,17 +105,12 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
-class MLP(nn.Module):
-    """SwiGLU feed-forward (Shazeer 2020, eq. 6): w2(SiLU(w1·x) ⊙ w3·x); w1 = gate, w3 = up, w2 = down."""
+class MLP(Expert):
+    """SwiGLU feed-forward (Shazeer 2020, eq. 6): w2(SiLU(w1·x) ⊙ w3·x); w1 = gate, w3 = up, w2 = down.
+    The same module as one MoE expert (:class:`course_lib.model.moe.Expert`), of width ``d_ff``."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.w1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
-        self.w3 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
-        self.w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        super().__init__(cfg.d_model, cfg.d_ff)
 
 
 class Block(nn.Module):
