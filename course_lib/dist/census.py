@@ -1,8 +1,6 @@
 """A census of what a rank holds: bytes of the distinct storages behind parameters, gradients and
-optimizer state (:func:`held_bytes`), and of the activations autograd saves for backward
-(:class:`SavedTensorMeter`). The algorithms themselves report with them (ZeRO's
-``model_state_bytes``, the pipeline runtime's activations in flight), so they live low, beside the
-counter; the formulas they are checked against are in :mod:`course_lib.cost`.
+optimizer state. The algorithms themselves report with it (ZeRO's ``model_state_bytes``), so it
+lives low, beside the counter; the formulas it is checked against are in :mod:`course_lib.cost.memory`.
 """
 
 from __future__ import annotations
@@ -66,45 +64,3 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 total += value.numel() * value.element_size()
     return total
-
-
-class SavedTensorMeter:
-    """Counts the bytes of distinct storages that autograd saves for backward while active.
-
-        with SavedTensorMeter(exclude=model) as meter:
-            y = model(x)
-        meter.bytes
-
-    Tensors are kept alive by the graph until backward, so a storage address seen once cannot be
-    reused by another saved tensor during the forward pass: counting by address is counting by
-    tensor. Storages of ``exclude``'s parameters and buffers are left out (weights are not
-    activations, and ``w.t()`` saved by a linear is a view of the weight), and so are the storages
-    of ``constants`` (the RoPE tables passed to a block). Those are recognised by the storage object
-    itself (``_cdata``), not by its address: ZeRO-3 frees a parameter's storage and re-allocates it
-    at a new address for every gather.
-    """
-
-    def __init__(self, exclude: torch.nn.Module | None = None, constants: tuple = ()):
-        tensors = list(exclude.parameters()) + list(exclude.buffers()) if exclude is not None else []
-        tensors += list(constants)
-        self._excluded = {t.untyped_storage()._cdata for t in tensors}
-        self.storages: dict[int, int] = {}
-        self._hooks = None
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage._cdata not in self._excluded and storage.nbytes() > 0:
-            self.storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    def __enter__(self) -> SavedTensorMeter:
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
-
-    @property
-    def bytes(self) -> int:
-        return sum(self.storages.values())

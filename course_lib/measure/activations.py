@@ -11,11 +11,52 @@ import torch.distributed as dist
 
 from course_lib.cost.activations import ATTENTION_KERNELS, activation_bytes_per_layer
 from course_lib.dist import Mesh, device, launch
-from course_lib.dist.census import SavedTensorMeter
 from course_lib.model.config import ModelConfig
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.tensor.model import TPBlock
 from course_lib.parallel.tensor.sequence import shard_sequence
+
+
+class SavedTensorMeter:
+    """Counts the bytes of distinct storages that autograd saves for backward while active.
+
+        with SavedTensorMeter(exclude=model) as meter:
+            y = model(x)
+        meter.bytes
+
+    Tensors are kept alive by the graph until backward, so a storage address seen once cannot be
+    reused by another saved tensor during the forward pass: counting by address is counting by
+    tensor. Storages of ``exclude``'s parameters and buffers are left out (weights are not
+    activations, and ``w.t()`` saved by a linear is a view of the weight), and so are the storages
+    of ``constants`` (the RoPE tables passed to a block). Those are recognised by the storage object
+    itself (``_cdata``), not by its address: ZeRO-3 frees a parameter's storage and re-allocates it
+    at a new address for every gather.
+    """
+
+    def __init__(self, exclude: torch.nn.Module | None = None, constants: tuple = ()):
+        tensors = list(exclude.parameters()) + list(exclude.buffers()) if exclude is not None else []
+        tensors += list(constants)
+        self._excluded = {t.untyped_storage()._cdata for t in tensors}
+        self.storages: dict[int, int] = {}
+        self._hooks = None
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage._cdata not in self._excluded and storage.nbytes() > 0:
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def __enter__(self) -> SavedTensorMeter:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
 
 
 def sdpa_kernel(attention: str):

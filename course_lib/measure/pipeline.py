@@ -49,28 +49,18 @@ def _step_torch(name, schedule, parts, xs, ys):
     return time.perf_counter() - start, [loss.item() for loss in losses]
 
 
-def stages_per_rank(name: str) -> int:
-    """v, as the comparisons here use it: two chunks per rank for the schedules that have them."""
-    return 2 if name in ("interleaved", "dualpipev") else 1
-
-
-def _setup(name: str, m: int, config: str, batch: int, seq: int, seed: int):
-    """(config with p·v blocks, schedule, this rank's stages of the seeded model, inputs, targets)."""
-    p, v = dist.get_world_size(), stages_per_rank(name)
+def _compare_rank(name: str, m: int, v: int, config: str, batch: int, seq: int, seed: int, steps: int) -> dict:
+    p = dist.get_world_size()
     cfg = configs.get(config, n_layers=p * v)
     schedule = build(name, p, m, v)
-    torch.manual_seed(seed)
-    parts = stages.split(Transformer(cfg).to(device()), schedule.n_stages)
-    mine = {s: parts[s] for s in schedule.stages_of(dist.get_rank())}
     g = torch.Generator().manual_seed(seed + 1)
     tokens = torch.randint(0, cfg.vocab_size, (m, batch, seq + 1), generator=g)
-    return cfg, schedule, parts, mine, tokens[:, :, :-1].contiguous(), tokens[:, :, 1:].contiguous()
-
-
-def _compare_rank(name: str, m: int, config: str, batch: int, seq: int, seed: int, steps: int) -> dict:
+    xs, ys = tokens[:, :, :-1].contiguous(), tokens[:, :, 1:].contiguous()
     grads, seconds = {}, {"course_lib": [], "torch": []}
     for who in ("course_lib", "torch"):
-        cfg, schedule, parts, mine, xs, ys = _setup(name, m, config, batch, seq, seed)  # the same model for each
+        torch.manual_seed(seed)
+        parts = stages.split(Transformer(cfg).to(device()), schedule.n_stages)
+        mine = {s: parts[s] for s in schedule.stages_of(dist.get_rank())}
         for _ in range(steps):  # the first step of each warms up (torch infers shapes on it)
             for part in mine.values():
                 part.zero_grad(set_to_none=True)
@@ -102,7 +92,9 @@ def versus_torch(
     Returns {"diffs": {rank: {parameter: max |course_lib - torch| of its gradient}}, "seconds":
     {"course_lib", "torch"}: rank 0's median step time over ``steps`` - 1 timed steps}.
     """
-    per_rank = launch(_compare_rank, p, name, m or 2 * p, config, batch, seq, seed, steps, timeout=600)
+    v = 2 if name in ("interleaved", "dualpipev") else 1
+    m = m or 2 * p
+    per_rank = launch(_compare_rank, p, name, m, v, config, batch, seq, seed, steps, timeout=600)
     return {"diffs": dict(enumerate(r["diffs"] for r in per_rank)), "seconds": per_rank[0]["seconds"]}
 
 
@@ -153,7 +145,8 @@ def measured_bubble(name: str = "1f1b", p: int = 4, m: int = 8, t_f: float = 0.0
 
     Returns {"bubble": 1 - busy / (p · makespan), "spans": per-rank lists of trace Spans}.
     """
-    per_rank = launch(_bubble_rank, p, name, m, stages_per_rank(name), t_f, t_b, timeout=120)
+    v = 2 if name in ("interleaved", "dualpipev") else 1
+    per_rank = launch(_bubble_rank, p, name, m, v, t_f, t_b, timeout=120)
     spans = [r["spans"] for r in per_rank]
     start = min(s.start for r in spans for s in r)
     end = max(s.end for r in spans for s in r)
@@ -164,9 +157,18 @@ def measured_bubble(name: str = "1f1b", p: int = 4, m: int = 8, t_f: float = 0.0
 # ------------------------------------------------------------------ activations in flight
 
 
-def _memory_rank(name: str, m: int, batch: int, seq: int, seed: int) -> dict:
-    cfg, schedule, _, mine, xs, ys = _setup(name, m, "tiny", batch, seq, seed)
-    r = runtime.run_step(schedule, mine, xs, ys, next_token_loss, (batch, seq, cfg.d_model))
+def _memory_rank(name: str, m: int, v: int, batch: int, seq: int, seed: int) -> dict:
+    p = dist.get_world_size()
+    cfg = configs.get("tiny", n_layers=p * v)
+    schedule = build(name, p, m, v)
+    torch.manual_seed(seed)
+    parts = stages.split(Transformer(cfg).to(device()), schedule.n_stages)
+    mine = {s: parts[s] for s in schedule.stages_of(dist.get_rank())}
+    g = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, cfg.vocab_size, (m, batch, seq + 1), generator=g)
+    r = runtime.run_step(
+        schedule, mine, tokens[:, :, :-1], tokens[:, :, 1:], next_token_loss, (batch, seq, cfg.d_model)
+    )
     return {"in_flight": r.peak_in_flight, "peak_bytes": r.peak_activation_bytes, "per_microbatch": r.activation_bytes}
 
 
@@ -175,4 +177,5 @@ def activations_in_flight(
 ) -> list[dict]:
     """Per rank, one real step of the course model (``tiny`` with p·v blocks): the most micro-batches
     in flight, the most bytes of saved activations, and the bytes one micro-batch saves per stage."""
-    return launch(_memory_rank, p, name, m, batch, seq, seed, timeout=120)
+    v = 2 if name in ("interleaved", "dualpipev") else 1
+    return launch(_memory_rank, p, name, m, v, batch, seq, seed, timeout=120)

@@ -17,7 +17,7 @@ from torch.profiler import record_function
 from course_lib.cost.comm import ring_wire_bytes, zero_comm_bytes
 from course_lib.cost.memory import STAGES, zero3_gathered_peak_bytes, zero_model_state_bytes
 from course_lib.dist import counter, device, launch
-from course_lib.dist.census import SavedTensorMeter
+from course_lib.measure.activations import SavedTensorMeter
 from course_lib.measure.allocations import AllocationTrace
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer

@@ -32,20 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from course_lib.dist import trace
-from course_lib.dist.census import SavedTensorMeter
-from course_lib.parallel.pipeline.schedules import (
-    RECV_B,
-    RECV_F,
-    SEND_B,
-    SEND_F,
-    B,
-    F,
-    I,
-    Schedule,
-    W,
-    message,
-    peer_stage,
-)
+from course_lib.parallel.pipeline.schedules import RECV_B, RECV_F, SEND_B, SEND_F, B, F, I, Schedule, W
 
 
 @dataclass
@@ -59,11 +46,11 @@ class StepResult:
 def arrival_order(schedule: Schedule, src: int, dst: int) -> list[tuple[str, int, int]]:
     """The messages rank ``src`` sends to rank ``dst``, in the order it sends them:
     ("F" | "B", micro-batch, the sending stage)."""
-    return [
-        message(a)
-        for a in schedule.actions[src]
-        if a.op in (SEND_F, SEND_B) and schedule.placement[peer_stage(a)] == dst
-    ]
+    out = []
+    for a in schedule.actions[src]:
+        if a.op in (SEND_F, SEND_B) and schedule.placement[a.stage + (1 if a.op == SEND_F else -1)] == dst:
+            out.append((a.op[-1], a.microbatch, a.stage))
+    return out
 
 
 def _tag(kind: str, microbatch: int, stage: int, n_stages: int) -> int:
@@ -100,36 +87,51 @@ def run_step(
         r = schedule.placement[stage]
         return dist.get_global_rank(group, r) if group is not None else r
 
-    # messages, received or handed over on this rank: ("F" | "B", micro-batch, producing stage) -> tensor
-    inbox: dict[tuple, torch.Tensor] = {}
+    inbox: dict[tuple, torch.Tensor] = {}  # ("F" | "B", micro-batch, stage it is for) -> tensor
     saved: dict[tuple, tuple] = {}  # (micro-batch, stage) -> (input, output)
     held: dict[tuple, int] = {}  # (micro-batch, stage) -> bytes autograd saved in its forward
+    weights = {p.untyped_storage()._cdata for st in stages.values() for p in st.parameters()}
+    weights |= {b.untyped_storage()._cdata for st in stages.values() for b in st.buffers()}
+
+    def counting(key: tuple):
+        """Count the distinct storages autograd saves for backward (weights and RoPE tables are not activations)."""
+        storages: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            st = t.untyped_storage()
+            if st._cdata not in weights:
+                storages[st._cdata] = st.nbytes()
+            held[key] = sum(storages.values())
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
     sends, result = [], StepResult()
     arrivals = {src: arrival_order(schedule, src, rank) for src in range(schedule.p) if src != rank}
     for a in schedule.actions[rank]:
         key, s = (a.microbatch, a.stage), a.stage
         if a.op in (RECV_F, RECV_B):
-            sender = schedule.placement[peer_stage(a)]
-            while message(a) not in inbox:  # receive in the sender's order until ours is in
-                arriving = arrivals[sender].pop(0)
+            kind, src = a.op[-1], s - 1 if a.op == RECV_F else s + 1
+            sender = schedule.placement[src]
+            while (kind, a.microbatch, s) not in inbox:  # receive in the sender's order until ours is in
+                k, mb, their = arrivals[sender].pop(0)
                 t = torch.empty(hidden_shape, dtype=dtype, device=device)
-                dist.recv(t, peer(arriving[2]), group=group, tag=_tag(*arriving, n))
-                inbox[arriving] = t
+                dist.recv(t, peer(their), group=group, tag=_tag(k, mb, their, n))
+                inbox[(k, mb, their + 1 if k == "F" else their - 1)] = t
         elif a.op == F:
-            with trace.span("F", mb=a.microbatch, stage=s), SavedTensorMeter(exclude=stages[s]) as meter:
+            with trace.span("F", mb=a.microbatch, stage=s), counting(key):
                 if s == 0:
                     x = microbatches[a.microbatch].to(device)
                 else:
-                    x = inbox.pop(("F", a.microbatch, s - 1)).detach().requires_grad_()
+                    x = inbox.pop(("F", *key)).detach().requires_grad_()
                 y = stages[s](x)
                 if s == n - 1:
                     loss = loss_fn(y, targets[a.microbatch].to(device))
                     result.losses[a.microbatch] = loss.item()
                     y = loss / m
-                elif schedule.placement[s + 1] == rank:  # the next stage is here: hand it over
-                    inbox["F", a.microbatch, s] = y.detach()
+                elif schedule.placement[s + 1] == rank:
+                    inbox["F", a.microbatch, s + 1] = y.detach()
             saved[key] = (x, y)
-            held[key] = meter.bytes
             result.peak_in_flight = max(result.peak_in_flight, len(saved))
             result.activation_bytes[s] = held.get(key, 0)
             result.peak_activation_bytes = max(result.peak_activation_bytes, sum(held.values()))
@@ -140,7 +142,7 @@ def run_step(
             x, y = saved[key] if a.op == I else saved.pop(key)
             if a.op == B:
                 held.pop(key, None)  # the backward frees what the forward saved
-            grad = None if s == n - 1 else inbox.pop(("B", a.microbatch, s + 1))
+            grad = None if s == n - 1 else inbox.pop(("B", *key))
             with trace.span(a.op, mb=a.microbatch, stage=s):
                 if a.op == B:
                     torch.autograd.backward(y, grad)
@@ -148,8 +150,9 @@ def run_step(
                     torch.autograd.backward(y, grad, inputs=[x], retain_graph=True)
             if a.op == I:
                 saved[key] = (x, y, grad)
-            if s > 0:  # the gradient of the stage's input, for the previous stage: sent, or used here
-                inbox[("B", *key)] = x.grad
+            if s > 0:  # the gradient of the stage's input, for the previous stage: sent, or kept here
+                local = schedule.placement[s - 1] == rank
+                inbox[("B", a.microbatch, s - 1) if local else ("dx", *key)] = x.grad
         elif a.op == W:
             x, y, grad = saved.pop(key)
             held.pop(key, None)
@@ -157,7 +160,7 @@ def run_step(
             with trace.span("W", mb=a.microbatch, stage=s):
                 torch.autograd.backward(y, grad, inputs=params)
         elif a.op == SEND_B:
-            dx = inbox.pop(("B", *key))
+            dx = inbox.pop(("dx", *key))
             sends.append((dist.isend(dx, peer(s - 1), group=group, tag=_tag("B", *key, n)), dx))
         else:
             raise ValueError(f"unknown action {a!r}")

@@ -187,19 +187,6 @@ def _dualpipe_v(p: int, m: int, r: int) -> list[Action]:
 # ----------------------------------------------------------------------------- messages
 
 
-def message(a: Action) -> tuple[str, int, int]:
-    """What a SEND_*/RECV_* action moves: (kind "F" | "B", micro-batch, the stage that produced it).
-    A send and the receive it pairs with name the same message."""
-    if a.op in (SEND_F, SEND_B):
-        return a.op[-1], a.microbatch, a.stage
-    return a.op[-1], a.microbatch, a.stage - 1 if a.op == RECV_F else a.stage + 1
-
-
-def peer_stage(a: Action) -> int:
-    """The stage at the other end of a SEND_*/RECV_* action."""
-    return a.stage + (1 if a.op in (SEND_F, RECV_B) else -1)
-
-
 def with_messages(compute: list[Action], placement: tuple[int, ...]) -> tuple[Action, ...]:
     """Insert a blocking receive before each compute that needs another rank's tensor, and a send
     after each compute whose result another rank needs."""
@@ -281,9 +268,11 @@ def check(schedule: Schedule) -> None:
                     raise ValueError(f"rank {rank} runs {a!r} twice")
                 done.append(a.op)
             elif a.op in (SEND_F, SEND_B):
-                sent.append((*message(a), rank, schedule.placement[peer_stage(a)]))
+                dst = schedule.placement[a.stage + (1 if a.op == SEND_F else -1)]
+                sent.append((a.op[-1], a.microbatch, a.stage, rank, dst))
             else:
-                received.append((*message(a), schedule.placement[peer_stage(a)], rank))
+                src = schedule.placement[a.stage + (1 if a.op == RECV_B else -1)]
+                received.append((a.op[-1], a.microbatch, a.stage + (-1 if a.op == RECV_F else 1), src, rank))
         for key, done in seen.items():
             if sorted(done) not in (["B", "F"], ["F", "I", "W"]):
                 raise ValueError(

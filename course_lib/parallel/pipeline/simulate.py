@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from course_lib.dist.trace import Span
-from course_lib.parallel.pipeline.schedules import COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, B, F, Schedule, W, message
+from course_lib.parallel.pipeline.schedules import COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, B, F, Schedule, W
 
 
 class Deadlock(RuntimeError):
@@ -72,11 +72,12 @@ def simulate(
             while at[r] < len(schedule.actions[r]):
                 a = schedule.actions[r][at[r]]
                 if a.op in (RECV_F, RECV_B):
-                    if message(a) not in arrived:
+                    key = (a.op[-1], a.microbatch, a.stage + (-1 if a.op == RECV_F else 1))
+                    if key not in arrived:
                         break  # blocked until the sender gets there
-                    clock[r] = max(clock[r], arrived.pop(message(a)))
+                    clock[r] = max(clock[r], arrived.pop(key))
                 elif a.op in (SEND_F, SEND_B):
-                    arrived[message(a)] = clock[r] + link
+                    arrived[(a.op[-1], a.microbatch, a.stage)] = clock[r] + link
                 elif a.op in COMPUTE:
                     start = clock[r]
                     clock[r] += price(a.op, a.stage)
