@@ -8,6 +8,7 @@ later chapters would inherit the error. So each test compares against a figure w
 import dataclasses
 
 import pytest
+import torch
 
 from course_lib.model import config as configs
 from course_lib.model import tokenizer
@@ -30,8 +31,10 @@ ACTIVE = [
     ("gpt-oss-120b", 5.13 * B, 0.03, "gpt-oss model card Table 1: 5.13B active (seed 000: ~5.1B)"),
     ("gpt-oss-20b", 3.61 * B, 0.03, "gpt-oss model card Table 1: 3.61B active (seed 000: ~3.6B)"),
     # "A3B" is a rounded name and the card gives no finer figure. Our count is 3.56B (3.25B without
-    # the output head); the 48 layers' attention alone is 1.5B, so "3B" cannot be a tight count.
-    # This row only guards the order of magnitude; the total and non-embedding rows pin the config.
+    # the output head): attention 1.54B (36 Gated DeltaNet + 12 gated-attention layers), 10 routed +
+    # 1 shared expert 1.66B, routers 0.05B, output head 0.31B. transformers' own Qwen3-Next, counted
+    # below (test_counts_equal_transformers_implementation), gives the same active total, so no
+    # field is missing: "3B" cannot be a tight count. This row only guards the order of magnitude.
     ("qwen3-next-80b-a3b", 3 * B, 0.20, "Qwen3-Next model card: 3B activated (a rounded name)"),
 ]
 
@@ -56,6 +59,88 @@ def test_active_parameters_match_published(name, published, tol, source):
         f"{name}: n_active_params() = {ours / B:.2f}B but {source}; off by {_rel(ours, published):.1%} "
         f"(tolerance {tol:.0%}). Active = shared experts + top-k routed experts + attention + output head."
     )
+
+
+def _hf_config(name: str):
+    """The published config as transformers' own config class, built here from our fields (offline)."""
+    import transformers as hf  # heavy; only these tests need it
+
+    c = configs.get(name)
+    common = dict(
+        vocab_size=c.vocab_size,
+        hidden_size=c.d_model,
+        num_hidden_layers=c.n_layers,
+        num_attention_heads=c.n_heads,
+        num_key_value_heads=c.n_kv_heads,
+        intermediate_size=c.d_ff,
+        tie_word_embeddings=c.tie_embeddings,
+    )
+    moe = dict(num_experts_per_tok=c.n_activated_experts)
+    if name == "deepseek-v3":
+        mla = {f: getattr(c, f) for f in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")}
+        return hf.DeepseekV3Config(
+            **common,
+            **moe,
+            **mla,
+            v_head_dim=c.v_head_dim,
+            moe_intermediate_size=c.moe_d_ff,
+            n_shared_experts=c.n_shared_experts,
+            n_routed_experts=c.n_routed_experts,
+            first_k_dense_replace=c.first_k_dense,
+        )
+    if name.startswith("gpt-oss"):
+        return hf.GptOssConfig(
+            **common, **moe, head_dim=c.head_dim, num_local_experts=c.n_routed_experts, sliding_window=c.sliding_window
+        )
+    if name.startswith("qwen3-next"):
+        return hf.Qwen3NextConfig(
+            **common,
+            **moe,
+            head_dim=c.head_dim,
+            num_experts=c.n_routed_experts,
+            moe_intermediate_size=c.moe_d_ff,
+            shared_expert_intermediate_size=c.moe_d_ff * c.n_shared_experts,
+            full_attention_interval=c.full_attention_interval,
+            linear_num_key_heads=c.linear_n_k_heads,
+            linear_num_value_heads=c.linear_n_v_heads,
+            linear_key_head_dim=c.linear_k_head_dim,
+            linear_value_head_dim=c.linear_v_head_dim,
+            linear_conv_kernel_dim=c.linear_conv_kernel,
+        )
+    return (hf.Qwen2Config if name.startswith("qwen2.5") else hf.LlamaConfig)(**common)
+
+
+PUBLISHED = [n for n in configs.names() if n not in ("tiny", "small")]
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_counts_equal_transformers_implementation(name):
+    """Our formulas against the parameters transformers' own implementation of the architecture allocates.
+
+    The model is built on the meta device (shapes only, no memory), from a config made here: nothing is
+    downloaded. Active parameters are read off the same module tree: everything but the embedding
+    table, with each MoE layer's routed experts scaled by k/E (experts are stored as one fused tensor).
+    Both sides are built from the same fields, so this pins the formulas; the published totals above
+    pin the fields.
+    """
+    import transformers as hf
+
+    cfg = configs.get(name)
+    with torch.device("meta"):
+        model = hf.AutoModelForCausalLM.from_config(_hf_config(name))
+    total = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    embedding = model.get_input_embeddings().weight.numel()
+    k_over_e = cfg.n_activated_experts / cfg.n_routed_experts if cfg.is_moe else 0
+    active = total - embedding - routed * (1 - k_over_e)
+    # n_params() leaves out biases, attention sinks, q/k norms and the shared-expert gate (its
+    # docstring lists them), each below 0.05% of the total: that omission is the whole tolerance.
+    for what, ours, theirs in (("total", cfg.n_params(), total), ("active", cfg.n_active_params(), active)):
+        assert _rel(ours, theirs) < 5e-4, (
+            f"{name}: our {what} count {ours / B:.3f}B differs from transformers' {type(model).__name__} "
+            f"({theirs / B:.3f}B) by {_rel(ours, theirs):.3%}; compare ModelConfig._attention_params / "
+            f"_ffn_params with the module shapes (model.named_parameters())"
+        )
 
 
 def test_qwen3_next_non_embedding_parameters():
