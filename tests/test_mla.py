@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from course_lib.model import config as configs
+from course_lib.model.layers import rope_cos_sin
 from course_lib.model.mla import MLA, LatentCache
-from course_lib.model.transformer import rope_cos_sin
 
 MLA_FIELDS = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
 

@@ -4,9 +4,11 @@ One frozen dataclass, :class:`ModelConfig`, describes every model the course tal
 small Llama-style models that train on 2 CPU cores (``tiny``, ``small``) and six published
 architectures whose numbers come from their technical reports and released ``config.json`` files
 (``deepseek-v3``, ``qwen2.5-72b``, ``llama-3.1-405b``, ``gpt-oss-120b``, ``gpt-oss-20b``,
-``qwen3-next-80b-a3b``). ``course_lib.model.transformer.Transformer`` runs the dense ones; the published ones are
-here so that later chapters can do their arithmetic (parameters, active parameters, KV-cache bytes)
-from real numbers instead of round guesses.
+``qwen3-next-80b-a3b``). The published ones are here so that later chapters can do their arithmetic
+(parameters, active parameters, KV-cache bytes) from real numbers instead of round guesses.
+``course_lib.model.transformer.Transformer`` builds every architecture here (MoE, MLA, sliding-window
+and Gated DeltaNet layers, multi-token prediction): the course models as they are, the published ones
+scaled down (``get(name, d_model=64, n_layers=4, ...)``) or at full size on the meta device.
 
     >>> from course_lib import configs
     >>> configs.names()

@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from course_lib.model.config import ModelConfig
-from course_lib.model.transformer import RMSNorm, apply_rope
+from course_lib.model.layers import RMSNorm, apply_rope
 
 
 class LatentCache:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from course_lib.model.transformer import apply_rope
+from course_lib.model.layers import apply_rope
 from course_lib.parallel.tensor.comms import check_divisible, tp_group
 from course_lib.parallel.tensor.layers import (
     ColumnParallelLinear,
