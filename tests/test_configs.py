@@ -252,3 +252,20 @@ def test_bad_configs_raise_readable_errors(change, message):
     base = dict(vocab_size=64, d_model=64, n_layers=2, n_heads=4)
     with pytest.raises(ValueError, match=message):
         ModelConfig(**{**base, **change})
+
+
+def test_kv_cache_of_one_sequence_caps_sliding_layers_and_skips_linear_ones():
+    oss = configs.get("gpt-oss-120b")
+    per_token = oss.kv_cache_bytes_per_token()
+    assert oss.kv_cache_bytes(100) == 100 * per_token, "below the 128-token window every layer keeps every token"
+    half = per_token // 2  # 18 full and 18 sliding layers of the same GQA shape
+    assert oss.kv_cache_bytes(10_000) == 10_000 * half + 128 * half, (
+        "gpt-oss: full layers keep all 10,000 tokens, sliding layers only the last sliding_window = 128"
+    )
+    qwen = configs.get("qwen3-next-80b-a3b")
+    assert qwen.kv_cache_bytes(1000) == 1000 * qwen.kv_cache_bytes_per_token() == 1000 * 12 * 2 * 2 * 2 * 256, (
+        "Qwen3-Next: only the 12 full-attention layers keep K and V (2 KV heads x 256, bf16)"
+    )
+    # 36 Gated DeltaNet layers: S of 128 x 128 per value head (32), conv over 2·16·128 + 32·128 channels
+    assert qwen.linear_state_bytes(4) == 4 * 36 * (32 * 128 * 128 + (2 * 16 * 128 + 32 * 128) * 3)
+    assert configs.get("llama-3.1-405b").linear_state_bytes() == 0

@@ -273,11 +273,10 @@ def test_gated_deltanet_decodes_with_a_fixed_size_state():
         f"decoding through DeltaNetState differs from the full-sequence forward by "
         f"{(stepped - whole).abs().max():.2e}: check that the conv state keeps the last kernel-1 inputs"
     )
-    channels = 2 * cfg.linear_n_k_heads * cfg.linear_k_head_dim + cfg.linear_n_v_heads * cfg.linear_v_head_dim
-    per_sequence = channels * (cfg.linear_conv_kernel - 1) + cfg.linear_n_v_heads * cfg.linear_v_head_dim * 8
-    assert sizes == [sizes[0]] * len(sizes) and sizes[0] == 2 * 4 * per_sequence, (
-        f"state bytes per decode step {sizes}; expected constant 2 x 4 B x (conv {channels}x3 + S 4x16x8) = "
-        f"{2 * 4 * per_sequence}: a linear-attention layer's state must not grow with t"
+    per_sequence = cfg.linear_state_bytes(4) // cfg.layer_types.count("linear")  # one layer's, fp32
+    assert sizes == [sizes[0]] * len(sizes) and sizes[0] == 2 * per_sequence, (
+        f"state bytes per decode step {sizes}; expected constant 2 sequences x {per_sequence} B "
+        f"(ModelConfig.linear_state_bytes: conv's last kernel-1 inputs + S per value head): a linear-attention layer's state must not grow with t"
     )
 
 

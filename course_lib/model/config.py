@@ -312,13 +312,32 @@ class ModelConfig:
         state and add nothing per token. Sliding-window layers are counted like full ones, which is the
         cost for contexts up to ``sliding_window`` tokens (they stop growing after that).
         """
-        gqa = 2 * self.n_kv_heads * self.head_dim
-        per_layer = {
-            "full": self.kv_lora_rank + self.qk_rope_head_dim if self.is_mla else gqa,
-            "sliding": gqa,
-            "linear": 0,
-        }
-        return bytes_per_element * sum(per_layer[kind] for kind in self.layer_types)
+        return bytes_per_element * sum(self._kv_elements_per_token(kind) for kind in self.layer_types)
+
+    def _kv_elements_per_token(self, kind: str) -> int:
+        if kind == "linear":
+            return 0
+        if kind == "full" and self.is_mla:
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * self.n_kv_heads * self.head_dim
+
+    def kv_cache_bytes(self, context: int, bytes_per_element: int = 2) -> int:
+        """Bytes of KV cache one sequence of ``context`` tokens holds: full and MLA layers keep every
+        token, sliding-window layers the last ``sliding_window`` (gpt-oss: half the layers stop growing
+        at 128), linear layers none (their fixed state is :meth:`linear_state_bytes`)."""
+        if context < 0:
+            raise ValueError(f"context={context} must be >= 0 tokens")
+        kept = {"full": context, "sliding": min(context, self.sliding_window), "linear": 0}
+        return bytes_per_element * sum(self._kv_elements_per_token(k) * kept[k] for k in self.layer_types)
+
+    def linear_state_bytes(self, bytes_per_element: int = 4) -> int:
+        """Bytes of recurrent state one sequence holds in the Gated DeltaNet layers, whatever its length:
+        per layer an S of d_k x d_v per value head, plus the causal conv's last (kernel - 1) inputs of
+        the q, k, v channels (Qwen3-Next; fp32 by default, as the recurrence accumulates in fp32)."""
+        channels = 2 * self.linear_n_k_heads * self.linear_k_head_dim + self.linear_n_v_heads * self.linear_v_head_dim
+        per_layer = self.linear_n_v_heads * self.linear_k_head_dim * self.linear_v_head_dim
+        per_layer += channels * max(0, self.linear_conv_kernel - 1)
+        return bytes_per_element * per_layer * self.layer_types.count("linear")
 
 
 _MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
