@@ -22,6 +22,7 @@ from course_lib.grading.labs import lab03_zero as lab03
 from course_lib.grading.labs import lab04_tensor_parallel as lab04
 from course_lib.grading.labs import lab05_pipeline as lab05
 from course_lib.grading.labs import lab06_sequence_parallel as lab06
+from course_lib.grading.labs import lab07_moe as lab07
 
 SHIMS = str(Path(__file__).resolve().parent / "lab_shims.py")
 
@@ -55,8 +56,14 @@ LIBRARY = {
         ring_attention="course_lib.parallel.context.ring_attention",
         ulysses_attention="course_lib.parallel.context.ulysses",
     ),
+    "lab07": Adapter.of_library(  # the lab's router, loss, dispatch and combine have the library's signatures
+        Router="course_lib.model.moe",
+        switch_aux_loss="course_lib.model.moe",
+        dispatch="course_lib.parallel.expert.dispatch",
+        combine="course_lib.parallel.expert.dispatch",
+    ),
 }
-GRADERS = {"lab02": lab02, "lab03": lab03, "lab04": lab04, "lab05": lab05, "lab06": lab06}
+GRADERS = {"lab02": lab02, "lab03": lab03, "lab04": lab04, "lab05": lab05, "lab06": lab06, "lab07": lab07}
 NOT_IN_LIBRARY = {lab03.check_padding}  # see the module docstring
 ROLES_NOT_IN_LIBRARY = {"lab03": {"padded_size", "shard_of"}}
 CHECKS = [

@@ -103,3 +103,17 @@ def test_lab05_runs_under_accelerate_launch_with_its_2_rank_config(accelerate_la
         assert "interleaved 1F1B, v=2 over p=2 ranks" in out.stdout, out.stdout
         assert "bubble: 0.0588 of the step; (p - 1)/(v·m + p - 1) = 0.0588" in out.stdout
     assert "the pipelined model follows the whole model bit for bit" in out.stdout
+
+
+def test_lab07_runs_under_accelerate_launch_at_2_ranks(accelerate_launch):
+    """Lab 07's entry point (tests/test_expert_parallel.py tests the library's dispatch; the lab's script is here)."""
+    out = accelerate_launch("solutions/lab07_moe/run.py", "--steps", 12, num_processes=2, timeout=240)
+    assert "2 ranks, backend gloo; E=8 experts (4 per rank), top-2" in out.stdout, out.stdout
+    assert (
+        "expert parallel output equals the layer on one rank (max |Δ| ≤ 1e-5 of the largest entry): True" in out.stdout
+    )
+    sent = [line for line in out.stdout.splitlines() if line.startswith("rank 0 handed")]
+    assert len(sent) == 1 and sent[0].split(" B to ")[0].split()[-1] == sent[0].split(" = ")[-1].removesuffix(" B"), (
+        f"the bytes measured must equal the formula: {sent}"
+    )
+    assert "your balancing loss evened out the load: True" in out.stdout, out.stdout

@@ -13,7 +13,9 @@ Every formula here is set beside a measurement from :mod:`course_lib.dist.counte
 * the bucket-size trade-off (lecture 02): :func:`fit_alpha_beta` (α, β from measured all-reduces),
   :func:`bucketed_all_reduce_seconds`;
 * 1D tensor parallelism's share of communication as its degree grows (lecture 02):
-  :func:`tp_block_comm_share`.
+  :func:`tp_block_comm_share`;
+* expert parallelism's dispatch and combine (lecture 03): :func:`ep_dispatch_bytes`,
+  :func:`fp8_bytes_per_element` (FP8 dispatch), :func:`ep_comm_time`.
 """
 
 from __future__ import annotations
@@ -346,6 +348,17 @@ def ep_dispatch_bytes(tokens: int, hidden: int, n_experts_per_token: int, bytes_
     if min(tokens, hidden, n_experts_per_token) < 0 or bytes_per_element <= 0:
         raise ValueError("tokens, hidden and n_experts_per_token must be >= 0 and bytes_per_element > 0")
     return tokens * n_experts_per_token * hidden * bytes_per_element
+
+
+def fp8_bytes_per_element(block: int = 128, scale_bytes: int = 4) -> float:
+    """Bytes per element of an FP8 dispatch: the 1-byte e4m3 value plus one fp32 scale per ``block``
+    channels, 1 + 4/block (DeepSeek-V3 report, §3.3.2: activations scaled per 1 x 128 tile; §3.3.3:
+    the dispatch all-to-all carries them in FP8). Against fp32 rows that is (1 + 4/block)/4 of the
+    bytes: 0.2578 at block 128, 0.3125 for a per-row scale of a 64-wide row. Pass it to
+    :func:`ep_dispatch_bytes` as ``bytes_per_element``."""
+    if block < 1 or scale_bytes < 0:
+        raise ValueError(f"block={block} channels per scale must be >= 1 and scale_bytes={scale_bytes} >= 0")
+    return 1 + scale_bytes / block
 
 
 def ep_comm_time(

@@ -14,6 +14,12 @@ back as it received, plus the expert ids and the counts (tests/test_expert_paral
 The token all-to-alls go through
 ``torch.distributed.nn.functional.all_to_all_single``, whose backward is the reverse all-to-all,
 so gradients reach the experts' weights on their ranks and the tokens on theirs.
+
+**FP8 dispatch** (DeepSeek-V3 report, §3.3.3 "low-precision communication", with the fine-grained
+1 x 128 activation tiles of §3.3.2): ``dispatch(..., fp8=True)`` sends each row as float8 e4m3
+values plus one fp32 scale per ``fp8_block`` channels, 1 + 4/block bytes per element instead of 4
+(:func:`course_lib.cost.comm.fp8_bytes_per_element`); the combine stays in full precision, as in
+the report (its BF16). See :class:`FP8AllToAll` for the rounding and the backward.
 """
 
 from __future__ import annotations
@@ -46,8 +52,11 @@ def owner(expert: torch.Tensor, n_experts: int, ep: int) -> torch.Tensor:
     return expert // (n_experts // ep)
 
 
-def dispatch(x: torch.Tensor, routing: Routing, n_experts: int, group=None) -> Dispatched:
-    """Send each kept assignment's token row to the rank of its expert (x [T, d])."""
+def dispatch(
+    x: torch.Tensor, routing: Routing, n_experts: int, group=None, fp8: bool = False, fp8_block: int = 128
+) -> Dispatched:
+    """Send each kept assignment's token row to the rank of its expert (x [T, d]); ``fp8``: as float8
+    e4m3 with an fp32 scale per ``min(fp8_block, d)`` channels (:class:`FP8AllToAll`)."""
     ep = dist.get_world_size(group)
     if n_experts % ep:
         raise ValueError(f"{n_experts} experts do not split over ep={ep} ranks: ep must divide the number of experts")
@@ -59,8 +68,11 @@ def dispatch(x: torch.Tensor, routing: Routing, n_experts: int, group=None) -> D
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     send_counts, recv_counts = send.tolist(), recv.tolist()
-    rows = x.new_empty(sum(recv_counts), x.shape[-1])
-    rows = dist_fn.all_to_all_single(rows, x[token], recv_counts, send_counts, group=group)
+    if fp8:
+        rows = FP8AllToAll.apply(x[token], recv_counts, send_counts, group, min(fp8_block, x.shape[-1]))
+    else:
+        rows = x.new_empty(sum(recv_counts), x.shape[-1])
+        rows = dist_fn.all_to_all_single(rows, x[token], recv_counts, send_counts, group=group)
     ids = torch.empty(sum(recv_counts), dtype=torch.long, device=x.device)
     dist.all_to_all_single(ids, expert, recv_counts, send_counts, group=group)
     local = ids - dist.get_rank(group) * (n_experts // ep)
@@ -69,7 +81,10 @@ def dispatch(x: torch.Tensor, routing: Routing, n_experts: int, group=None) -> D
 
 def local_experts(d: Dispatched, experts: nn.ModuleList) -> torch.Tensor:
     """Run this rank's experts on the rows it received; results in the same row order."""
-    out = torch.zeros_like(d.tokens)
+    # 0 · tokens, not zeros_like: the result must hang off the received rows in the autograd graph
+    # even on a rank whose experts got no rows, or its backward would skip the two all-to-alls that
+    # the other ranks enter (gloo: "Received data size doesn't match expected size").
+    out = d.tokens * 0
     for e, expert in enumerate(experts):
         rows = torch.nonzero(d.experts == e, as_tuple=True)[0]
         if len(rows):
@@ -83,3 +98,69 @@ def combine(results: torch.Tensor, d: Dispatched, routing: Routing, n_tokens: in
     back = dist_fn.all_to_all_single(back, results, d.send_counts, d.recv_counts, group=group)
     out = back.new_zeros(n_tokens, back.shape[-1])
     return out.index_add(0, d.token, routing.weights[d.token, d.slot, None] * back)
+
+
+# ------------------------------------------------------------------------------ FP8 dispatch
+
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn: 1.75 · 2^8
+
+
+def quantize_e4m3(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, d] -> (float8 e4m3 values [R, d], fp32 scales [R, d/block]), x ≈ value · scale per block.
+
+    Each block of ``block`` channels of a row is scaled so that its largest |x| lands on 448 (the
+    report's online amax scaling, §3.3.2): scale = amax / 448. An all-zero block keeps scale 1.
+    """
+    rows, d = x.shape
+    if d % block:
+        raise ValueError(f"fp8_block={block} does not divide d_model={d}: every scale covers a whole block")
+    tiles = x.detach().float().view(rows, d // block, block)
+    amax = tiles.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    q = (tiles / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.view(rows, d), scale.view(rows, d // block)
+
+
+def dequantize_e4m3(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float8 values [R, d] and scales [R, d/block] -> fp32 [R, d]."""
+    rows, d = q.shape
+    return (q.float().view(rows, scale.shape[1], -1) * scale[..., None]).view(rows, d)
+
+
+class FP8AllToAll(torch.autograd.Function):
+    """The dispatch all-to-all in FP8, its backward in full precision (DeepSeek-V3 §3.3.3).
+
+    Forward: quantize the rows (:func:`quantize_e4m3`), send the e4m3 bytes and the fp32 scales
+    (two all-to-alls with the same splits), dequantize on receipt. Per element the receiver gets
+
+        x̂ = x (1 + δ),  |δ| <= 2^-4        when |x|/scale >= 2^-6 (a normal e4m3 number: 3 mantissa
+                                            bits, round to nearest: half an ulp is 2^-4 of the value)
+        |x̂ - x| <= 2^-10 · scale            below it (subnormal e4m3: spacing 2^-9, half of it 2^-10)
+
+    so |x̂ - x| <= 2^-4 |x| + 2^-10 · amax/448 over the block (tests/test_expert_training.py).
+
+    Backward: the rounding is treated as the identity (a straight-through estimator: dx̂/dx = 1),
+    and the gradient rows travel back by the reverse all-to-all in the gradient's own precision.
+    The report does the same: what flows towards the tokens (the forward combine, and this
+    dispatch's backward, its "backward combine") stays in BF16; only what flows towards the experts
+    is FP8 (it also quantizes the gradient entering the down-projections, which this course leaves
+    in full precision, and it uses power-of-2 scales where we use amax/448).
+    """
+
+    @staticmethod
+    def forward(ctx, rows, recv_counts, send_counts, group, block):
+        q, scale = quantize_e4m3(rows, block)
+        q_in = q.new_empty(sum(recv_counts), q.shape[1])
+        s_in = scale.new_empty(sum(recv_counts), scale.shape[1])
+        # gloo moves bytes, not float8: send the e4m3 codes as uint8 (1 byte each, the same payload)
+        dist.all_to_all_single(q_in.view(torch.uint8), q.view(torch.uint8), recv_counts, send_counts, group=group)
+        dist.all_to_all_single(s_in, scale, recv_counts, send_counts, group=group)
+        ctx.counts, ctx.group = (recv_counts, send_counts), group
+        return dequantize_e4m3(q_in, s_in).to(rows.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        recv_counts, send_counts = ctx.counts
+        out = grad.new_empty(sum(send_counts), grad.shape[1])
+        dist.all_to_all_single(out, grad.contiguous(), send_counts, recv_counts, group=ctx.group)
+        return out, None, None, None, None

@@ -1,0 +1,411 @@
+"""Grader of lab 07: a top-k router with capacity, the Switch balancing loss, and expert parallelism.
+
+Graded (each task on its own: a check uses course_lib's pieces for everything but the role it grades):
+
+* the router's experts and gate weights equal a per-token float64 reference, for k = 1, 2, 3;
+* its capacity: no expert keeps more than ⌈capacity_factor · T · k / E⌉ assignments, and the kept
+  ones are the first that came, in token order (Switch Transformer, Fedus et al. 2021, §2.2);
+* the auxiliary loss E · Σ f_i P_i equals the float64 reference, is exactly 1 at perfect balance and
+  E when one expert takes everything, and its gradient reaches the router's scores (P) only;
+* training a small MoE layer with the learner's loss evens out the expert load, against the same
+  training without it;
+* dispatch followed by combine, with unit gates and no expert between, gives every token back
+  (times its number of kept assignments), over all-to-alls only, each rank receiving exactly the
+  rows of its experts (2 ranks);
+* the expert-parallel layer at 2 ranks — course_lib's router and experts, the learner's dispatch and
+  combine — gives the outputs and gradients of the same layer computed on one rank.
+
+The checks take an :class:`~course_lib.grading.adapter.Adapter` with the roles of :data:`ROLES`: the
+grader passes the learner's ``mixture_of_experts.py``, tests/test_lab_checks.py passes course_lib's
+own router, loss, dispatch and combine (course_lib.model.moe, course_lib.parallel.expert.dispatch).
+"""
+
+import copy
+import math
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from course_lib.dist import counter, launch
+from course_lib.grading.adapter import Adapter
+from course_lib.grading.grade import Task
+from course_lib.model import moe
+from course_lib.parallel.expert.dispatch import local_experts
+
+ROLES = ("Router", "switch_aux_loss", "dispatch", "combine")
+NAMES = (*ROLES, "capacity", "Dispatched", "local_experts", "moe_forward")  # what check_setup wants in the file
+
+
+def adapter(lab_dir: Path) -> Adapter:
+    """The learner's router, loss, dispatch and combine, from ``mixture_of_experts.py``."""
+    return Adapter.of_file(Path(lab_dir) / "mixture_of_experts.py", ROLES)
+
+
+E, D, FF = 8, 16, 32  # experts, model width, expert width
+T_EP = 24  # tokens per rank in the expert-parallel checks
+EP = 2  # ranks of the expert-parallel checks
+U = 2.0**-24  # unit roundoff of fp32
+
+# Gate weights: fp32 softmax has each score within (E + 2)·u relatively of the exact one (exp, an
+# E-term sum, a division: Higham, "Accuracy and Stability of Numerical Algorithms", §3), and
+# renormalising over the k chosen adds the sum's and the division's errors, another (E + 4)·u at
+# most: 2(E + 4)·u ≈ 1.4e-6 on values ≤ 1 with E = 8. 2e-6 absorbs that on any CPU; a weight left
+# unnormalised, normalised at k = 1, or taken from the wrong expert is off by 1e-2 or more.
+WEIGHT_TOL = 2e-6
+# The auxiliary loss: P_i is a mean of T = 64 fp32 scores ((T - 1)·u relative at worst), the sum over
+# E terms adds (E - 1)·u, the products and the factor E two more: (T + E)·u ≈ 4.3e-6 relative.
+# 1e-5 bounds it; counting only the kept assignments, dropping E or averaging the gates instead of
+# the scores moves the loss by 1e-2 or more on these routings.
+AUX_RTOL = 1e-5
+# Expert parallel against one rank: the same operations on the same numbers, except that an
+# expert's GEMMs see the rows of both ranks at once (a row's dot products may be blocked otherwise:
+# an ulp or two) and its weight gradient sums the n ≤ EP·T_EP·k = 96 rows' products in another order,
+# (n - 1)·u·Σ|terms| ≈ 5.7e-6·Σ|terms| (Higham §4.2). Measured: below 1e-6 of the largest entry;
+# 1e-5 of the largest entry of each tensor bounds it, while a row lost, sent twice, or added with the
+# wrong gate moves a gradient or an output by 1e-2 of its largest entry or more.
+EP_TOL = 1e-5
+# Balance: max/mean load over the last 5 of 30 training steps (Adam, lr 1e-2, coefficient 0.1, 256
+# tokens with a common offset that skews the router from the start). Measured with course_lib's
+# loss: 2.76 without the loss, 1.23 with it; requiring at most 0.75 of the load ratio without the
+# loss leaves a wide margin both ways (a loss without gradient, or a wrong sign, gives ≥ 2.7).
+BALANCE_STEPS, BALANCE_COEF, BALANCE_RATIO = 30, 0.1, 0.75
+
+
+def tokens(t: int, seed: int, offset: float = 1.0) -> torch.Tensor:
+    """t tokens [t, D]: Gaussian, plus one offset shared by all, so that the router starts unbalanced."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(t, D, generator=g) + offset * torch.randn(D, generator=g)
+
+
+def _by_expert(experts, *others):
+    """Each token's k slots ordered by expert id: the order of the k choices within a token is free."""
+    order = experts.argsort(-1)
+    return [t.gather(1, order) for t in (experts, *others)]
+
+
+def reference_routing(logits: torch.Tensor, k: int, capacity_factor: float | None):
+    """experts, weights, kept [T, k] in float64, token by token (slots ordered by expert id)."""
+    p = logits.detach().double().softmax(-1)
+    t = len(p)
+    order = p.argsort(-1, descending=True)
+    if k < p.shape[-1]:  # the grader's data must not hold near-ties that fp32 rounding could flip
+        gap = p.gather(1, order[:, k - 1 : k]) - p.gather(1, order[:, k : k + 1])
+        assert gap.min() > 1e-5, "grader: choose other data (a near-tie between the k-th and next expert)"
+    experts = order[:, :k]
+    weights = p.gather(1, experts)
+    if k > 1:
+        weights = weights / weights.sum(-1, keepdim=True)
+    kept = torch.ones(t, k, dtype=torch.bool)
+    if capacity_factor is not None:
+        cap = math.ceil(capacity_factor * t * k / p.shape[-1])
+        seen = [0] * p.shape[-1]
+        for i in range(t):  # first come (token order), first served
+            for j in range(k):
+                e = int(experts[i, j])
+                seen[e] += 1
+                kept[i, j] = seen[e] <= cap
+    return _by_expert(experts, weights, kept)
+
+
+def _route(impl: Adapter, t: int, k: int, cf: float | None, seed: int):
+    """The learner's router with the grader's gate weights on the grader's tokens: (routing, logits)."""
+    router = impl["Router"](D, E, k, capacity_factor=cf)
+    gate = getattr(router, "gate", None)
+    assert isinstance(gate, nn.Linear) and gate.weight.shape == (E, D), (
+        "Router must keep its gate as self.gate = nn.Linear(d_model, n_experts, bias=False) (given)"
+    )
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(E, D, generator=g) / D**0.5)
+    x = tokens(t, seed)
+    routing = router(x)
+    for name in ("experts", "weights", "kept", "scores"):
+        assert hasattr(routing, name), f"Router.forward must return a Routing; it has no {name}"
+    assert routing.experts.shape == (t, k) and routing.weights.shape == (t, k) and routing.kept.shape == (t, k), (
+        f"T={t}, k={k}: experts, weights and kept must be [T, k] = [{t}, {k}]; got "
+        f"{tuple(routing.experts.shape)}, {tuple(routing.weights.shape)}, {tuple(routing.kept.shape)}"
+    )
+    assert routing.scores.shape == (t, E), f"scores must be [T, E] = [{t}, {E}]: the softmax over all experts"
+    return routing, gate(x)
+
+
+# -------------------------------------------------------------------------------------- checks
+
+
+def check_setup(impl: Adapter) -> None:
+    module = impl.module("Router")
+    for name in NAMES:
+        assert callable(getattr(module, name, None)), f"mixture_of_experts.py must define {name}"
+
+
+TOPK_CASES = [(64, 1, 3), (64, 2, 4), (60, 3, 5)]  # (T, k, seed)
+
+
+def check_router_topk(impl: Adapter) -> None:
+    for t, k, seed in TOPK_CASES:
+        routing, logits = _route(impl, t, k, None, seed)
+        want_e, want_w, _ = reference_routing(logits, k, None)
+        got_e, got_w, got_kept = _by_expert(routing.experts, routing.weights, routing.kept)
+        assert torch.allclose(
+            routing.scores.detach().double(), logits.detach().double().softmax(-1), atol=WEIGHT_TOL
+        ), f"k={k}: scores must be the softmax of the gate's logits over the {E} experts"
+        assert torch.equal(got_e, want_e), f"k={k}: the experts chosen are not each token's {k} highest scores"
+        assert routing.weights.requires_grad, "the weights must stay differentiable: the router learns through them"
+        err = (got_w.detach().double() - want_w).abs().max().item()
+        hint = "the score itself (no renormalising at k = 1)" if k == 1 else "the k scores renormalised to sum to 1"
+        assert err <= WEIGHT_TOL, f"k={k}: the gate weights differ by {err:.1e} (allowed {WEIGHT_TOL:g}): {hint}"
+        assert bool(got_kept.all()), "without a capacity_factor every assignment is kept"
+
+
+CAPACITY_CASES = [(64, 1, 1.0, 6), (60, 1, 1.0, 7), (64, 2, 1.25, 8), (60, 2, 0.5, 9)]  # (T, k, factor, seed)
+
+
+def check_router_capacity(impl: Adapter) -> None:
+    for t, k, cf, seed in CAPACITY_CASES:
+        routing, logits = _route(impl, t, k, cf, seed)
+        want_e, _, want_kept = reference_routing(logits, k, cf)
+        assert not want_kept.all(), "grader: these tokens must overfill an expert"
+        cap = math.ceil(cf * t * k / E)
+        got_e, got_kept = _by_expert(routing.experts, routing.kept)
+        assert routing.kept.dtype == torch.bool, "kept must be a bool tensor [T, k]"
+        assert torch.equal(got_e, want_e), (
+            f"T={t}, k={k}, capacity_factor={cf}: the experts chosen changed; capacity decides what is kept, not the choice"
+        )
+        load = torch.bincount(routing.experts[routing.kept], minlength=E)
+        assert load.max() <= cap, (
+            f"T={t}, k={k}, capacity_factor={cf}: an expert kept {int(load.max())} assignments, over its capacity "
+            f"⌈{cf}·{t}·{k}/{E}⌉ = {cap} (round up)"
+        )
+        if not torch.equal(got_kept, want_kept):
+            first = int((got_kept != want_kept).any(-1).nonzero()[0, 0])
+            raise AssertionError(
+                f"T={t}, k={k}, capacity_factor={cf}: kept differs from first come, first served from token {first} "
+                f"on (capacity {cap}): count each expert's earlier assignments in token order"
+            )
+
+
+def _random_routing(t=64, k=2, seed=11) -> moe.Routing:
+    """Scores [t, E] as a leaf that requires grad, top-k experts, and a quarter of the assignments dropped."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(t, E, generator=g) * 2 + torch.randn(E, generator=g)
+    scores = logits.softmax(-1).requires_grad_()
+    weights, experts = scores.detach().topk(k, dim=-1)
+    kept = torch.rand(t, k, generator=g) > 0.25
+    return moe.Routing(experts, weights, kept, scores, logits)
+
+
+def _balanced_routing(t=16, k=2) -> moe.Routing:
+    """Every expert gets the same share of assignments and the same mean score 1/E (exact in binary)."""
+    experts = (torch.arange(t * k) % E).view(t, k)
+    scores = torch.full((t, E), 1 / E)
+    return moe.Routing(experts, torch.full((t, k), 1 / k), torch.ones(t, k, dtype=torch.bool), scores, scores.log())
+
+
+def check_aux_loss(impl: Adapter) -> None:
+    aux = impl["switch_aux_loss"]
+    routing = _random_routing()
+    t, k = routing.experts.shape
+    f = torch.bincount(routing.experts.flatten(), minlength=E).double() / (t * k)
+    want = E * (f * routing.scores.detach().double().mean(0)).sum().item()
+    got = aux(routing, E)
+    assert isinstance(got, torch.Tensor) and got.numel() == 1, "switch_aux_loss must return a scalar tensor"
+    assert math.isclose(got.item(), want, rel_tol=AUX_RTOL), (
+        f"switch_aux_loss is {got.item():.6f}, expected {want:.6f}: E · Σ_i f_i · P_i with f_i the share of all T·k "
+        "assignments (dropped ones included) and P_i the mean score of expert i over the tokens"
+    )
+    assert got.requires_grad, "the loss must be differentiable through P_i (the mean router scores)"
+    got.backward()
+    grad = routing.scores.grad
+    want_grad = (E * f / t).expand(t, E)  # d/ds[t, i] of E · Σ_i f_i · mean_t s[t, i]
+    assert grad is not None and torch.allclose(grad.double(), want_grad, rtol=AUX_RTOL, atol=0), (
+        "the gradient must reach the scores through P_i = mean of the scores, E·f_i/T each; f_i is a count"
+    )
+    one = aux(_balanced_routing(), E).item()
+    assert one == 1.0, f"at perfect balance (f_i = P_i = 1/E) the loss is exactly 1, not {one!r}: check the factor E"
+    skewed = moe.Routing(
+        torch.zeros(16, 1, dtype=torch.long),
+        torch.ones(16, 1),
+        torch.ones(16, 1, dtype=torch.bool),
+        torch.eye(E)[torch.zeros(16, dtype=torch.long)],
+        torch.zeros(16, E),
+    )
+    worst = aux(skewed, E).item()
+    assert worst == E, f"when one expert takes every token with probability 1 the loss is E = {E}, not {worst!r}"
+
+
+def _train(aux, coef: float, seed: int = 0) -> float:
+    """max/mean expert load over the last 5 of BALANCE_STEPS steps of a small MoE layer learning a teacher."""
+    torch.manual_seed(seed)
+    layer = moe.MoE(D, FF, E, 2)
+    x = tokens(256, seed + 100)
+    with torch.no_grad():
+        target = moe.Expert(D, FF)(x)
+    opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
+    ratios = []
+    for _ in range(BALANCE_STEPS):
+        loss = (layer(x) - target).square().mean()
+        if coef:
+            loss = loss + coef * aux(layer.routing, E)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        load = layer.routing.load(E).float()
+        ratios.append((load.max() / load.mean()).item())
+    return sum(ratios[-5:]) / 5
+
+
+def check_balance_improves(impl: Adapter) -> None:
+    aux = impl["switch_aux_loss"]
+    with_aux = _train(aux, BALANCE_COEF)  # first: a starter fails here at once
+    without = _train(aux, 0.0)
+    assert with_aux <= BALANCE_RATIO * without, (
+        f"training with {BALANCE_COEF}·switch_aux_loss left the load at {with_aux:.2f}× the mean on the busiest expert, "
+        f"against {without:.2f}× without it (must be ≤ {BALANCE_RATIO}× that): does the loss's gradient reach P_i?"
+    )
+
+
+def _quiet() -> None:
+    """torch marks its differentiable all-to-all deprecated (for a private module): keep that out of the feedback."""
+    warnings.filterwarnings("ignore", message=".*all_to_all_single is deprecated.*", category=FutureWarning)
+
+
+def _ops(c) -> set[str]:
+    return {key.split("@")[0] for key in c.as_dict()}
+
+
+def _rows_sorted(rows: torch.Tensor) -> torch.Tensor:
+    return rows[rows[:, 0].argsort()] if len(rows) else rows
+
+
+def _identity_rank(impl: Adapter, k: int):
+    _quiet()
+    rank, ep = dist.get_rank(), dist.get_world_size()
+    per = E // ep
+    torch.manual_seed(0)
+    router = moe.Router(D, E, k, capacity_factor=1.0)
+    xs = [tokens(T_EP, 20 + r) for r in range(ep)]
+    routings = [router(x) for x in xs]  # every rank routes every rank's tokens: it knows what it must receive
+    x, routing = xs[rank], routings[rank]
+    routing.weights = torch.ones_like(routing.weights)
+    with counter.count() as c:
+        d = impl["dispatch"](x, routing, E)
+        back = impl["combine"](d.tokens, d, routing, T_EP)  # no expert in between
+    want = x * routing.kept.sum(-1, keepdim=True)  # x + x is exact: 2x
+    wrong_rows = []
+    for local in range(per):
+        e = rank * per + local
+        expected = torch.cat([xr[((r.experts == e) & r.kept).any(-1)] for xr, r in zip(xs, routings)])
+        got = d.tokens[d.experts == local].detach()
+        if got.shape != expected.shape or not torch.equal(_rows_sorted(got), _rows_sorted(expected)):
+            wrong_rows.append((e, len(got), len(expected)))
+    dropped = int((~routing.kept).sum())
+    return torch.equal(back.detach(), want), (back.detach() - want).abs().max().item(), wrong_rows, _ops(c), dropped
+
+
+def check_dispatch_combine_identity(impl: Adapter) -> None:
+    for k in (1, 2):
+        results = launch(_identity_rank, EP, impl, k, timeout=60)
+        assert sum(r[4] for r in results) > 0, "grader: these tokens must overfill an expert"
+        for rank, (same, err, wrong_rows, ops, _) in enumerate(results):
+            assert ops <= {"all_to_all_single", "all_to_all"}, (
+                f"k={k}, rank {rank}: dispatch and combine called {sorted(ops)}: use all-to-alls only"
+            )
+            if wrong_rows:
+                e, got, want = wrong_rows[0]
+                raise AssertionError(
+                    f"k={k}, rank {rank} received {got} rows for its expert {e}, not the {want} kept rows routed to it: "
+                    "sort the kept assignments by expert, exchange the counts, send x[token] with those splits"
+                )
+            assert same, (
+                f"k={k}, rank {rank}: dispatch then combine with unit gates and no expert must give each token back "
+                f"(times its kept assignments; nothing if all were dropped), off by {err:.2e}: check the reverse "
+                "all-to-all's splits and the token index of each returned row"
+            )
+
+
+EP_CASES = [(2, 1.0), (1, None)]  # (k, capacity_factor): with drops, and without capacity at top-1
+
+
+def _ep_rank(impl: Adapter):
+    _quiet()
+    rank, ep = dist.get_rank(), dist.get_world_size()
+    per = E // ep
+    out = []
+    for k, cf in EP_CASES:
+        torch.manual_seed(0)
+        reference = moe.MoE(D, FF, E, k, capacity_factor=cf)
+        model = copy.deepcopy(reference)
+        xs = [tokens(T_EP, 30 + r, offset=0.0) for r in range(ep)]  # spread: every expert gets rows
+        g = torch.Generator().manual_seed(40)
+        upstream = [torch.randn(T_EP, D, generator=g) for _ in range(ep)]  # dL/dy: L = Σ y · upstream
+
+        # one rank: every rank's batch routed on its own (capacity counts per batch), with all experts
+        ref_x = [x.clone().requires_grad_() for x in xs]
+        ref_y, dropped = [], 0
+        for x, w in zip(ref_x, upstream):
+            routing = reference.router(x)
+            dropped += int((~routing.kept).sum())
+            ref_y.append(moe.routed_experts(x, routing, reference.experts))
+            (ref_y[-1] * w).sum().backward()
+
+        # expert parallel: this rank's batch, its E/ep experts, the learner's dispatch and combine
+        x = xs[rank].clone().requires_grad_()
+        routing = model.router(x)
+        d = impl["dispatch"](x, routing, E)
+        y = impl["combine"](local_experts(d, model.experts[rank * per : (rank + 1) * per]), d, routing, T_EP)
+        assert y.requires_grad, "combine's output must be differentiable: use the autograd all-to-all and index_add"
+        (y * upstream[rank]).sum().backward()
+        gate = model.router.gate.weight
+        if gate.grad is not None:  # the router sees every rank's tokens: sum its gradient over the ranks
+            dist.all_reduce(gate.grad)
+
+        pairs = {
+            "the output": (y, ref_y[rank]),
+            "dL/dx": (x.grad, ref_x[rank].grad),
+            "the router's gradient": (gate.grad, reference.router.gate.weight.grad),
+        }
+        for e in range(rank * per, (rank + 1) * per):
+            for name, p in model.experts[e].named_parameters():
+                pairs[f"expert {e}'s {name} gradient"] = (
+                    p.grad,
+                    dict(reference.experts[e].named_parameters())[name].grad,
+                )
+        diffs = {}
+        for what, (got, want) in pairs.items():
+            if want is None:  # an expert that no token of any rank reached: it must get no gradient either
+                diffs[what] = 0.0 if got is None or not got.any() else math.inf
+            else:
+                diffs[what] = None if got is None else ((got.detach() - want).abs().max() / want.abs().max()).item()
+        out.append((k, cf, dropped, diffs))
+    return out
+
+
+def check_expert_parallel(impl: Adapter) -> None:
+    for rank, cases in enumerate(launch(_ep_rank, EP, impl, timeout=90)):
+        for k, cf, dropped, diffs in cases:
+            assert cf is None or dropped > 0, "grader: these tokens must overfill an expert"
+            for what, diff in diffs.items():
+                where = f"expert parallel at {EP} ranks, k={k}, capacity_factor={cf}, rank {rank}"
+                assert diff is not None, (
+                    f"{where}: {what} is missing: the token all-to-alls must be differentiable "
+                    "(torch.distributed.nn.functional.all_to_all_single)"
+                )
+                assert diff <= EP_TOL, (
+                    f"{where}: {what} differs from the layer on one rank by {diff:.1e} of its largest entry "
+                    f"(allowed {EP_TOL:g}): check that every kept row goes out once, comes back to its token, "
+                    "and is multiplied by its gate"
+                )
+
+
+TASKS = [
+    Task("mixture_of_experts.py imports and defines the functions", 1, check_setup, setup=True),
+    Task("Task 1: top-k experts and gate weights", 2, check_router_topk),
+    Task("Task 1: capacity, first come first served", 2, check_router_capacity),
+    Task("Task 2: Switch auxiliary loss", 2, check_aux_loss),
+    Task("Task 2: the loss evens out the expert load", 2, check_balance_improves, timeout=120),
+    Task("Task 3: dispatch then combine gives the tokens back", 2, check_dispatch_combine_identity, timeout=120),
+    Task("Task 3: expert parallel equals one rank, outputs and gradients", 3, check_expert_parallel, timeout=120),
+]
