@@ -11,9 +11,11 @@ GShard (Lepikhin et al. 2020, §2.2) and every MoE system since: after routing, 
 
 Payload per rank and layer: its kept assignments x d_model x bytes per element out, as many rows
 back as it received, plus the expert ids and the counts (tests/test_expert_parallel.py counts them).
-The token all-to-alls go through
-``torch.distributed.nn.functional.all_to_all_single``, whose backward is the reverse all-to-all,
-so gradients reach the experts' weights on their ranks and the tokens on theirs.
+The token all-to-alls go through :class:`AllToAllRows`, a small autograd Function whose backward is
+the reverse all-to-all (an all-to-all only permutes rows across ranks, and a permutation's transpose
+is its inverse), so gradients reach the experts' weights on their ranks and the tokens on theirs.
+(``torch.distributed.nn.functional.all_to_all_single`` does the same and is deprecated in torch 2.13;
+written out, the backward is on the page, as in :mod:`course_lib.parallel.context.ulysses`.)
 
 **FP8 dispatch** (DeepSeek-V3 report, §3.3.3 "low-precision communication", with the fine-grained
 1 x 128 activation tiles of §3.3.2): ``dispatch(..., fp8=True)`` sends each row as float8 e4m3
@@ -28,7 +30,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 import torch.nn as nn
 
 from course_lib.model.moe import Routing
@@ -71,8 +72,7 @@ def dispatch(
     if fp8:
         rows = FP8AllToAll.apply(x[token], recv_counts, send_counts, group, min(fp8_block, x.shape[-1]))
     else:
-        rows = x.new_empty(sum(recv_counts), x.shape[-1])
-        rows = dist_fn.all_to_all_single(rows, x[token], recv_counts, send_counts, group=group)
+        rows = AllToAllRows.apply(x[token], recv_counts, send_counts, group)
     ids = torch.empty(sum(recv_counts), dtype=torch.long, device=x.device)
     dist.all_to_all_single(ids, expert, recv_counts, send_counts, group=group)
     local = ids - dist.get_rank(group) * (n_experts // ep)
@@ -94,10 +94,28 @@ def local_experts(d: Dispatched, experts: nn.ModuleList) -> torch.Tensor:
 
 def combine(results: torch.Tensor, d: Dispatched, routing: Routing, n_tokens: int, group=None) -> torch.Tensor:
     """Send the results home and add gate x result to each token: [T, d]."""
-    back = results.new_empty(sum(d.send_counts), results.shape[-1])
-    back = dist_fn.all_to_all_single(back, results, d.send_counts, d.recv_counts, group=group)
+    back = AllToAllRows.apply(results, d.send_counts, d.recv_counts, group)
     out = back.new_zeros(n_tokens, back.shape[-1])
     return out.index_add(0, d.token, routing.weights[d.token, d.slot, None] * back)
+
+
+class AllToAllRows(torch.autograd.Function):
+    """rows [S, d], sent in blocks of ``send_counts`` rows to ranks 0, 1, ...; returns the [R, d] rows
+    received, in blocks of ``recv_counts``. Backward: the gradient rows go back the same way reversed."""
+
+    @staticmethod
+    def forward(ctx, rows, recv_counts, send_counts, group):
+        ctx.counts, ctx.group = (recv_counts, send_counts), group
+        out = rows.new_empty(sum(recv_counts), rows.shape[1])
+        dist.all_to_all_single(out, rows.contiguous(), recv_counts, send_counts, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        recv_counts, send_counts = ctx.counts
+        out = grad.new_empty(sum(send_counts), grad.shape[1])
+        dist.all_to_all_single(out, grad.contiguous(), send_counts, recv_counts, group=ctx.group)
+        return (out,) + (None,) * (len(ctx.needs_input_grad) - 1)  # the counts and group take none
 
 
 # ------------------------------------------------------------------------------ FP8 dispatch
@@ -127,7 +145,7 @@ def dequantize_e4m3(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (q.float().view(rows, scale.shape[1], -1) * scale[..., None]).view(rows, d)
 
 
-class FP8AllToAll(torch.autograd.Function):
+class FP8AllToAll(AllToAllRows):
     """The dispatch all-to-all in FP8, its backward in full precision (DeepSeek-V3 §3.3.3).
 
     Forward: quantize the rows (:func:`quantize_e4m3`), send the e4m3 bytes and the fp32 scales
@@ -155,12 +173,5 @@ class FP8AllToAll(torch.autograd.Function):
         # gloo moves bytes, not float8: send the e4m3 codes as uint8 (1 byte each, the same payload)
         dist.all_to_all_single(q_in.view(torch.uint8), q.view(torch.uint8), recv_counts, send_counts, group=group)
         dist.all_to_all_single(s_in, scale, recv_counts, send_counts, group=group)
-        ctx.counts, ctx.group = (recv_counts, send_counts), group
+        ctx.counts, ctx.group = (recv_counts, send_counts), group  # AllToAllRows.backward: full precision
         return dequantize_e4m3(q_in, s_in).to(rows.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        recv_counts, send_counts = ctx.counts
-        out = grad.new_empty(sum(send_counts), grad.shape[1])
-        dist.all_to_all_single(out, grad.contiguous(), send_counts, recv_counts, group=ctx.group)
-        return out, None, None, None, None
