@@ -11,7 +11,7 @@ from course_lib.cost.comm import ep_dispatch_bytes, fp8_bytes_per_element
 from course_lib.dist import counter, launch
 from course_lib.measure import expert as measure
 from course_lib.model import moe
-from course_lib.parallel.expert.dispatch import combine, dispatch
+from course_lib.parallel.expert.dispatch import combine, dispatch, local_experts
 
 U = 2.0**-24  # fp32 unit roundoff
 STEPS = 4
@@ -106,6 +106,32 @@ def _fp8_rank():
         "grad_equal": torch.equal(grads[0], grads[1]),
         "backward_bytes": backward_bytes,
     }
+
+
+def _starved_rank(fp8: bool):
+    # every token of every rank goes to experts 0 and 1, which rank 0 holds: rank 1 receives 0 rows
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(dist.get_rank()), requires_grad=True)
+    experts = torch.tensor([[0, 1]]).repeat(T, 1)
+    ones = torch.ones(T, 2)
+    routing = moe.Routing(experts, ones / 2, ones.bool(), ones, ones)
+    d = dispatch(x, routing, E, fp8=fp8)
+    y = combine(local_experts(d, torch.nn.ModuleList([torch.nn.Identity()] * (E // 2))), d, routing, T)
+    y.sum().backward()
+    if not fp8:
+        return len(d.tokens), torch.equal(y, x)  # 0.5·x + 0.5·x is exact
+    # e4m3: 2^-4 relative for normal values, 2^-10 · amax/448 absolute below (FP8AllToAll's docstring)
+    bound = 2**-4 * x.abs() + 2**-10 * x.abs().amax(-1, keepdim=True) / 448
+    return len(d.tokens), bool(((y - x).abs() <= bound + 1e-7).all())
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_rank_that_receives_no_rows_still_runs_forward_and_backward(fp8):
+    results = launch(_starved_rank, 2, fp8, timeout=60)
+    assert [r[0] for r in results] == [4 * T, 0], f"received rows per rank {[r[0] for r in results]}"
+    assert all(r[1] for r in results), (
+        "identity experts with gates 1/2 + 1/2 must return the tokens (FP8: within e4m3's 2^-4 relative rounding); "
+        "a rank with no rows must still enter every all-to-all, forward and backward"
+    )
 
 
 def test_fp8_dispatch_within_e4m3_rounding_and_straight_through():

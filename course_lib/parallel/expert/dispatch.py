@@ -142,7 +142,8 @@ def quantize_e4m3(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tens
 def dequantize_e4m3(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """float8 values [R, d] and scales [R, d/block] -> fp32 [R, d]."""
     rows, d = q.shape
-    return (q.float().view(rows, scale.shape[1], -1) * scale[..., None]).view(rows, d)
+    blocks = scale.shape[1]  # the block width is explicit: a rank may receive 0 rows
+    return (q.float().view(rows, blocks, d // blocks) * scale[..., None]).view(rows, d)
 
 
 class FP8AllToAll(AllToAllRows):
