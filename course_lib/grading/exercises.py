@@ -29,6 +29,7 @@ import torch
 
 from course_lib.cost.memory import zero_model_state_bytes
 from course_lib.grading.adapter import load
+from course_lib.model import config as configs
 
 ROOT = Path(__file__).resolve().parents[2]
 ANSWERS = ROOT / "solutions" / "lectures" / "answers.py"
@@ -153,3 +154,21 @@ def check_ring_forward_bytes(ring_forward_bytes, measured: int, B: int, S: int, 
         "B x HKV x (S/N) x D elements of 4 bytes; how many hops does each of K and V make before every rank has seen it?"
     )
     return f"ring exercise: {answer_} B, as measured"
+
+
+# -------------------------------------------------------------------------- lecture 04: KV cache with a window
+
+
+def check_kv_cache_bytes(kv_cache_bytes) -> str:
+    """The learner's bytes of bf16 KV cache one sequence holds in gpt-oss, against ModelConfig.kv_cache_bytes."""
+    for name in ("gpt-oss-120b", "gpt-oss-20b"):
+        cfg = configs.get(name)
+        for context in (1, 100, 128, 129, 4096, 131_072):
+            want = cfg.kv_cache_bytes(context, 2)
+            got = _call("kv_cache_bytes", kv_cache_bytes, cfg, context)
+            assert got == want, (
+                f"{name} at {context} tokens: you give {got:,} B, the cache holds {want:,} B. Per layer and token a "
+                f"GQA layer keeps a K and a V of n_kv_heads x head_dim bf16 elements; the 'full' layers of "
+                f"cfg.layer_types keep every token, the 'sliding' ones only the last cfg.sliding_window"
+            )
+    return "KV exercise: every context and both gpt-oss models, as ModelConfig.kv_cache_bytes counts"

@@ -37,3 +37,12 @@ def predict_tp_step(n_layers, b, s, d):
 # Lecture 03, §2.5: each of K and V makes N − 1 hops of one block, B·HKV·(S/N)·D fp32 elements.
 def ring_forward_bytes(B, S, HKV, D, N):
     return 2 * (N - 1) * B * HKV * (S // N) * D * 4
+
+
+# Lecture 04, §6: a GQA layer keeps K and V, n_kv_heads x head_dim bf16 elements each, per token; a
+# sliding-window layer keeps at most the last sliding_window tokens.
+def kv_cache_bytes(cfg, context):
+    per_token = 2 * cfg.n_kv_heads * cfg.head_dim * 2
+    full = cfg.layer_types.count("full")
+    sliding = cfg.layer_types.count("sliding")
+    return per_token * (full * context + sliding * min(context, cfg.sliding_window))
