@@ -199,18 +199,26 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         routing = self.router(flat)
-        out = routed_experts(flat, routing, self.experts)
+        out = self.routed(flat, routing)
         for expert in self.shared:
             out = out + expert(flat)
         self.routing = routing
-        n = len(self.experts)
+        n = self.router.n_experts
         terms = {
-            "aux": lambda: switch_aux_loss(routing, n),
+            "aux": lambda: self.aux_loss(routing),
             "z": lambda: z_loss(routing),
             "sequence": lambda: sequence_balance_loss(routing, n, shape[-2]),
         }
         self.losses = {name: coef * terms[name]() for name, coef in self.coefs.items() if coef}
         return out.view(shape)
+
+    def routed(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The routed experts' part of the output, [T, d] (expert parallelism overrides this)."""
+        return routed_experts(x, routing, self.experts)
+
+    def aux_loss(self, routing: Routing) -> torch.Tensor:
+        """The Switch loss of this batch (expert parallelism overrides it with global counts)."""
+        return switch_aux_loss(routing, self.router.n_experts)
 
 
 def routed_experts(x: torch.Tensor, routing: Routing, experts) -> torch.Tensor:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from course_lib.dist import trace
-from course_lib.model.moe import MoE, Routing, sequence_balance_loss, z_loss
+from course_lib.model.moe import MoE, Routing
 from course_lib.parallel.expert.dispatch import combine, dispatch, local_experts
 
 
@@ -62,26 +62,17 @@ class ExpertParallelMoE(MoE):
         self.routing: Routing | None = None
         self.losses: dict[str, torch.Tensor] = {}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1])
-        routing = self.router(flat)
+    def routed(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Route -> dispatch -> this rank's experts -> combine (MoE.forward adds the shared experts)."""
         with trace.span("ep.dispatch"):  # spans cost nothing unless a timeline is recording
-            d = dispatch(flat, routing, self.n_experts, self.group, fp8=self.fp8)
+            d = dispatch(x, routing, self.n_experts, self.group, fp8=self.fp8)
         with trace.span("ep.experts"):
             results = local_experts(d, self.experts)
         with trace.span("ep.combine"):
-            out = combine(results, d, routing, len(flat), self.group)
-        for expert in self.shared:
-            out = out + expert(flat)
-        self.routing = routing
-        terms = {
-            "aux": lambda: global_switch_aux_loss(routing, self.n_experts, self.group),
-            "z": lambda: z_loss(routing),
-            "sequence": lambda: sequence_balance_loss(routing, self.n_experts, shape[-2]),
-        }
-        self.losses = {name: coef * terms[name]() for name, coef in self.coefs.items() if coef}
-        return out.view(shape)
+            return combine(results, d, routing, len(x), self.group)
+
+    def aux_loss(self, routing: Routing) -> torch.Tensor:
+        return global_switch_aux_loss(routing, self.n_experts, self.group)
 
 
 def global_switch_aux_loss(routing: Routing, n_experts: int, group=None) -> torch.Tensor:
