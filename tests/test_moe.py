@@ -135,3 +135,59 @@ def test_moe_course_model_counts_and_trains_with_balancing():
     assert losses[-1] < losses[0], f"the MoE model should learn: loss {losses[0]:.3f} -> {losses[-1]:.3f}"
     early, late = sum(ratios[:5]) / 5, sum(ratios[-5:]) / 5
     assert late < early, f"the bias should even out the load: max/mean {early:.2f} early, {late:.2f} late"
+
+
+def test_moe_layer_equals_transformers_deepseek_v3_moe():
+    """Our MoE with DeepSeek-V3's choices (sigmoid scores, node-limited groups, selection bias, one
+    shared expert) against transformers' own DeepseekV3MoE on the same weights.
+
+    The same experts chosen (same fp32 scores and biases); gates within k ulps (the renormalising sum
+    runs in another order); the outputs add the same products in
+    the same expert order, but each expert's matmul runs on its rows in another order (token-major
+    here, slot-major there), which may move a row's result by an ulp: 1e-6 of the output's scale.
+    """
+    import transformers as hf  # heavy; only this test needs it
+
+    d, ff, e, k = 32, 16, 16, 4
+    config = hf.DeepseekV3Config(
+        hidden_size=d,
+        moe_intermediate_size=ff,
+        n_routed_experts=e,
+        num_experts_per_tok=k,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.0,
+    )
+    theirs = hf.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE(config)
+    torch.manual_seed(0)
+    ours = moe.MoE(d, ff, e, k, n_shared=1, score="sigmoid", n_groups=4, topk_groups=2)
+    ours.router.bias.copy_(torch.randn(e) * 0.05)  # a trained aux-loss-free bias
+    with torch.no_grad():
+        theirs.gate.weight.copy_(ours.router.gate.weight)
+        theirs.gate.e_score_correction_bias.copy_(ours.router.bias)
+        for i, expert in enumerate(ours.experts):
+            theirs.experts.gate_up_proj[i].copy_(torch.cat([expert.w1.weight, expert.w3.weight]))
+            theirs.experts.down_proj[i].copy_(expert.w2.weight)
+        shared = ours.shared[0]
+        for mine, hf_name in ((shared.w1, "gate_proj"), (shared.w3, "up_proj"), (shared.w2, "down_proj")):
+            getattr(theirs.shared_experts, hf_name).weight.copy_(mine.weight)
+        x = torch.randn(2, 24, d)
+        _, hf_weights, hf_experts = theirs.gate(x)
+        y_theirs, y_ours = theirs(x), ours(x)
+    chosen = lambda idx: idx.sort(-1).values
+    assert torch.equal(chosen(ours.routing.experts), chosen(hf_experts)), (
+        "the experts chosen differ from transformers' DeepseekV3TopkRouter: compare the group score "
+        "(sum of each group's two best biased scores), the kept groups and the top-k among them"
+    )
+    order = lambda idx, w: w.gather(1, idx.argsort(-1))
+    # the k = 4 chosen scores are summed in another order (sorted here, unsorted there) before the
+    # division: (k - 1) u for the sum and u for the quotient, relative, u = 2^-24
+    ours_w, theirs_w = order(ours.routing.experts, ours.routing.weights), order(hf_experts, hf_weights)
+    assert torch.allclose(ours_w, theirs_w, rtol=k * 2**-24, atol=0), (
+        "gates differ from transformers': they are the chosen sigmoid scores without the bias, renormalised"
+    )
+    assert (y_ours - y_theirs).abs().max() <= 1e-6 * y_theirs.abs().max(), (
+        f"MoE output differs from transformers' DeepseekV3MoE by {(y_ours - y_theirs).abs().max():.2e}"
+    )
