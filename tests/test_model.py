@@ -200,3 +200,16 @@ def test_bad_inputs_raise_readable_errors():
 def test_published_sizes_are_refused_with_a_way_out(name):
     with pytest.raises(ValueError, match="meta device"):
         Transformer(configs.get(name))
+
+
+@pytest.mark.parametrize("mtp_depth", [0, 1])
+def test_loss_goes_through_forward_so_wrappers_hooks_fire(mtp_depth):
+    # FSDP2's fully_shard(model) gathers the root's parameters in a forward pre-hook: a loss that
+    # bypassed forward() would meet sharded DTensors (lecture 02's FSDP2 cell).
+    model = Transformer(configs.get("tiny", mtp_depth=mtp_depth))
+    calls = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    x = torch.randint(0, model.cfg.vocab_size, (2, 8))
+    model.loss(x, x)
+    assert calls == [1], "Transformer.loss must call the model (self(tokens)), not its pieces"
+    assert ("mtp" in dict(model.named_children())) == bool(mtp_depth), "MTP modules exist only when mtp_depth > 0"

@@ -209,7 +209,12 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:  # one matrix both reads tokens in and scores them out (Press & Wolf 2017)
             self.output.weight = self.tok_embeddings.weight
         # each module: its own norms, projection and block (MoE when the model is MoE); embedding and head shared
-        self.mtp = nn.ModuleList(MTPModule(cfg, Block(cfg, cfg.is_moe, "full")) for _ in range(cfg.mtp_depth))
+        # (not registered at all without MTP: a dense model prints and checkpoints as before)
+        self.mtp = (
+            nn.ModuleList(MTPModule(cfg, Block(cfg, cfg.is_moe, "full")) for _ in range(cfg.mtp_depth))
+            if cfg.mtp_depth
+            else None
+        )
         self.mtp_weight = 0.3  # λ: DeepSeek-V3 uses 0.3 for its first 10T tokens, then 0.1 (§4.2)
         # Non-persistent: the table is a pure function of cfg, so it stays out of checkpoints.
         # MLA rotates only its decoupled qk_rope_head_dim channels (DeepSeek-V2 §2.1.3).
@@ -258,20 +263,29 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin)
         return h
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.output(self.norm(self.hidden(tokens)))
+    def forward(self, tokens: torch.Tensor, return_hidden: bool = False):
+        """Logits [batch, seq, vocab]; with ``return_hidden`` also :meth:`hidden`'s output (for MTP).
+        :meth:`loss` goes through here too, so hooks on the model's forward (FSDP's, a profiler's) fire."""
+        h = self.hidden(tokens)
+        logits = self.output(self.norm(h))
+        return (logits, h) if return_hidden else logits
 
     def loss_terms(self, tokens: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         """The pieces of :meth:`loss`, unweighted by λ: ``'main'`` (next-token cross-entropy), ``'mtp_k'``
         for each MTP depth k (cross-entropy of the token k+1 ahead), ``'moe'`` (the MoE layers'
         balancing losses, already times their coefficients; only when the model has MoE layers)."""
-        h = self.hidden(tokens)
-        terms = {"main": next_token_loss(self.output(self.norm(h)), targets)}
-        if len(self.mtp):
-            t = tokens.shape[1]
-            cos, sin = self.rope_cos[:t], self.rope_sin[:t]
-            for k, loss in enumerate(mtp_losses(self.mtp, h, targets, self.tok_embeddings, self.output, cos, sin)):
-                terms[f"mtp_{k + 1}"] = loss
+        if self.mtp is None:
+            return self._with_moe_losses({"main": next_token_loss(self(tokens), targets)})
+        logits, h = self(tokens, return_hidden=True)
+        terms = {"main": next_token_loss(logits, targets)}
+        t = tokens.shape[1]
+        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        for k, loss in enumerate(mtp_losses(self.mtp, h, targets, self.tok_embeddings, self.output, cos, sin)):
+            terms[f"mtp_{k + 1}"] = loss
+        return self._with_moe_losses(terms)
+
+    def _with_moe_losses(self, terms: dict) -> dict:
+        """``terms`` plus ``'moe'``, the balancing losses every MoE layer kept from this forward."""
         moes = [module for module in self.modules() if isinstance(module, MoE)]  # the MTP blocks' too
         if moes:
             terms["moe"] = sum((sum(m.losses.values(), torch.zeros(())) for m in moes), torch.zeros(()))
@@ -283,7 +297,7 @@ class Transformer(nn.Module):
         and the MoE layers' balancing losses, when they have any (coefficients set on each MoE)."""
         terms = self.loss_terms(tokens, targets)
         loss = terms.pop("main")
-        mtp = [terms.pop(f"mtp_{k}") for k in range(1, len(self.mtp) + 1)]
+        mtp = [terms.pop(f"mtp_{k}") for k in range(1, self.cfg.mtp_depth + 1)]
         if mtp:
             loss = loss + self.mtp_weight / len(mtp) * sum(mtp)
         for term in terms.values():
