@@ -15,10 +15,14 @@ Every formula here is set beside a measurement from :mod:`course_lib.dist.counte
 * 1D tensor parallelism's share of communication as its degree grows (lecture 02):
   :func:`tp_block_comm_share`;
 * expert parallelism's dispatch and combine (lecture 03): :func:`ep_dispatch_bytes`,
-  :func:`fp8_bytes_per_element` (FP8 dispatch), :func:`ep_comm_time`.
+  :func:`fp8_bytes_per_element` (FP8 dispatch), :func:`ep_comm_time`;
+* gradient compression hooks (:mod:`course_lib.optim.compression`): :func:`topk_comm_bytes`,
+  :func:`qsgd_comm_bytes`, :func:`sign_comm_bytes`, :func:`powersgd_comm_bytes`.
 """
 
 from __future__ import annotations
+
+import math
 
 from course_lib.cost.flops import gpt_block_forward_flops
 from course_lib.cost.memory import check_zero_args
@@ -380,3 +384,47 @@ def ep_comm_time(
     moved = ep_dispatch_bytes(tokens, hidden, n_experts_per_token, bytes_dispatch)
     moved += ep_dispatch_bytes(tokens, hidden, n_experts_per_token, bytes_combine)
     return remote_fraction * moved / bandwidth
+
+
+# ----------------------------------------------------------------------------------------------
+# Gradient compression: bytes per rank per bucket (course_lib.optim.compression)
+# ----------------------------------------------------------------------------------------------
+# Each is the payload this rank hands to the collective for one bucket, what course_lib.dist.counter
+# counts: this rank's message for an all-gather (it *receives* W-1 such messages; received_bytes
+# converts), the whole tensor for an all-reduce. Uncompressed, a bucket of n fp32 gradients is 4n.
+
+
+def topk_comm_bytes(k: int, value_bytes: int = 4, index_bytes: int = 4) -> int:
+    """Top-K (Stich et al. 2018; Lin et al. 2018, DGC §3): k (value, index) pairs, k·(value + index)
+    bytes, all-gathered (indices differ per rank, so the messages cannot be summed on the way)."""
+    if k < 0:
+        raise ValueError(f"k={k} coordinates must be >= 0")
+    return k * (value_bytes + index_bytes)
+
+
+def qsgd_comm_bytes(n: int, level_bytes: int = 1, norm_bytes: int = 4) -> int:
+    """QSGD (Alistarh et al. 2017, §3.1) with s ≤ 127 levels: one int8 signed level per coordinate
+    and one fp32 norm per bucket, n + 4 bytes (the paper's Elias coding of the levels, §3.2, would
+    send fewer; this is the fixed-width version)."""
+    return n * level_bytes + norm_bytes
+
+
+def sign_comm_bytes(n: int, scale_bytes: int = 4) -> int:
+    """1-bit sign (Seide et al. 2014; 1-bit Adam, Tang et al. 2021): n bits packed 8 per byte and
+    one fp32 scale, ⌈n/8⌉ + 4 bytes: 32× less than fp32 for large n."""
+    return -(-n // 8) + scale_bytes
+
+
+def powersgd_comm_bytes(
+    shapes: list[tuple[int, ...]], rank: int, min_compression_rate: float = 2.0, bytes_per_element: int = 4
+) -> int:
+    """PowerSGD (Vogels et al. 2019, Alg. 1), one bucket holding gradients of ``shapes``: each seen as
+    an n × m matrix (n = shape[0], m = the rest) is sent as P (n × r) and Q (m × r), r = min(n, m, rank),
+    r·(n + m) elements, when r(n + m)·min_compression_rate < nm (torch's rule); else as its n·m
+    elements. All three are all-reduced, so the bytes do not grow with W."""
+    total = 0
+    for shape in shapes:
+        n, m = shape[0], math.prod(shape[1:])
+        r = min(n, m, rank)
+        total += r * (n + m) if r * (n + m) * min_compression_rate < n * m else n * m
+    return total * bytes_per_element

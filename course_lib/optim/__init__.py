@@ -1,2 +1,10 @@
-"""course_lib.optim — optimizers written out: SGD, momentum, Adam, AdamW, Lion, Adafactor, and the
-functional ``adamw_`` that ZeRO's sharded update calls (:mod:`~course_lib.optim.optimizers`)."""
+"""course_lib.optim — optimizers and training objectives, written out.
+
+* :mod:`~course_lib.optim.optimizers`  — SGD, momentum, Adam, AdamW, Lion, Adafactor, and the functional
+  ``adamw_`` that ZeRO's sharded update calls
+* :mod:`~course_lib.optim.lowrank`     — GaLore-style AdamW with its moments in a rank-r projected space
+* :mod:`~course_lib.optim.compression` — gradient compression as DDP communication hooks (Top-K with error
+  feedback, QSGD, 1-bit sign with error feedback, PowerSGD), for torch DDP and course DDP alike
+* :mod:`~course_lib.optim.distill`     — knowledge distillation's soft-target loss
+* :mod:`~course_lib.optim.grpo`        — GRPO's group-relative advantage and clipped objective
+"""

@@ -25,6 +25,10 @@ replicas never drift apart. What makes it fast is *when* the all-reduce happens
 5. **no_sync.** For gradient accumulation, micro-batches run inside ``no_sync()``: the hooks do
    nothing, gradients accumulate locally in ``param.grad``, and only the last micro-batch (outside
    ``no_sync``) communicates — once, for the sum of all micro-batches.
+6. **Communication hooks.** ``register_comm_hook(state, hook)`` replaces each bucket's all-reduce
+   by ``hook(state, bucket) -> Future``, torch's interface (gradient compression:
+   :mod:`course_lib.optim.compression`). As in torch, the hook gets the raw local gradients (no
+   pre-division) and returns the averaged bucket; finish() waits on the Future and copies it back.
 
 Averaging: each gradient is multiplied by 1/W while it is copied into its bucket, then the bucket
 is all-reduced with SUM. This is what torch's Reducer does, and doing it the same way (same
@@ -53,6 +57,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from course_lib.dist import trace
+from course_lib.parallel.data.comm_hook import GradBucket
 
 MB = 1024 * 1024  # torch counts bucket_cap_mb in MiB: cap_bytes = int(bucket_cap_mb * 2**20)
 
@@ -151,6 +156,7 @@ class DistributedDataParallel(nn.Module):
         self.require_sync = True  # no_sync() turns it off
         self._syncing = False  # a synchronised backward is under way (its finish() is queued)
         self._next_bucket = 0  # buckets are launched strictly in order, the same on every rank
+        self._comm_hook = None  # (state, hook) once register_comm_hook is called
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
@@ -215,8 +221,10 @@ class DistributedDataParallel(nn.Module):
                 "expects one gradient per parameter per backward"
             )
         bucket.ready.add(id(param))
-        # Pre-divide while copying, as torch's Reducer does (g·(1/W), then SUM over ranks).
-        torch.mul(param.grad, 1.0 / self.world_size, out=bucket.views[i])
+        if self._comm_hook is None:  # pre-divide while copying, as torch's Reducer does (g·(1/W), then SUM)
+            torch.mul(param.grad, 1.0 / self.world_size, out=bucket.views[i])
+        else:  # a hook gets the raw local gradient and averages itself (torch's convention)
+            bucket.views[i].copy_(param.grad)
         bucket.pending -= 1
         self._launch_ready_buckets()
 
@@ -228,8 +236,13 @@ class DistributedDataParallel(nn.Module):
         """
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:
             bucket = self.buckets[self._next_bucket]
-            bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-            _annotate_comm_span(bucket)
+            if self._comm_hook is None:
+                bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+                _annotate_comm_span(bucket)
+            else:  # a Future of the averaged bucket
+                state, hook = self._comm_hook
+                is_last = bucket.index == len(self.buckets) - 1
+                bucket.work = hook(state, GradBucket(bucket.index, bucket.buffer, bucket.params, is_last))
             self._next_bucket += 1
 
     # -- 4. finish -----------------------------------------------------------------------------
@@ -252,7 +265,9 @@ class DistributedDataParallel(nn.Module):
             )
         with trace.span("ddp.wait"):
             for bucket in self.buckets:
-                bucket.work.wait()
+                result = bucket.work.wait()  # a Work's wait() returns True, a hook's Future its tensor
+                if self._comm_hook is not None:
+                    bucket.buffer.copy_(result.view_as(bucket.buffer))
                 for p, view in zip(bucket.params, bucket.views):
                     p.grad.copy_(view)
         self._reset()
@@ -282,6 +297,16 @@ class DistributedDataParallel(nn.Module):
             yield
         finally:
             self.require_sync = previous
+
+    # -- 6. communication hooks ----------------------------------------------------------------
+
+    def register_comm_hook(self, state: object, hook) -> None:
+        """Call ``hook(state, bucket) -> torch.futures.Future[Tensor]`` for each full bucket instead of
+        all-reducing it; the Future's tensor becomes the bucket's gradients. Torch's signature and
+        convention: the same hook function works with ``torch.nn.parallel.DistributedDataParallel``."""
+        if self._comm_hook is not None:
+            raise RuntimeError("register_comm_hook can only be called once (as in torch's DDP)")
+        self._comm_hook = (state, hook)
 
     # -- for lectures and graders ------------------------------------------------------------
 

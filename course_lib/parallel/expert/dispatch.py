@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from course_lib.model.moe import Routing
+from course_lib.precision import fp8
 
 
 @dataclass
@@ -120,36 +121,12 @@ class AllToAllRows(torch.autograd.Function):
 
 # ------------------------------------------------------------------------------ FP8 dispatch
 
-E4M3_MAX = 448.0  # largest finite float8_e4m3fn: 1.75 · 2^8
-
-
-def quantize_e4m3(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, d] -> (float8 e4m3 values [R, d], fp32 scales [R, d/block]), x ≈ value · scale per block.
-
-    Each block of ``block`` channels of a row is scaled so that its largest |x| lands on 448 (the
-    report's online amax scaling, §3.3.2): scale = amax / 448. An all-zero block keeps scale 1.
-    """
-    rows, d = x.shape
-    if d % block:
-        raise ValueError(f"fp8_block={block} does not divide d_model={d}: every scale covers a whole block")
-    tiles = x.detach().float().view(rows, d // block, block)
-    amax = tiles.abs().amax(-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    q = (tiles / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q.view(rows, d), scale.view(rows, d // block)
-
-
-def dequantize_e4m3(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float8 values [R, d] and scales [R, d/block] -> fp32 [R, d]."""
-    rows, d = q.shape
-    blocks = scale.shape[1]  # the block width is explicit: a rank may receive 0 rows
-    return (q.float().view(rows, blocks, d // blocks) * scale[..., None]).view(rows, d)
-
 
 class FP8AllToAll(AllToAllRows):
     """The dispatch all-to-all in FP8, its backward in full precision (DeepSeek-V3 §3.3.3).
 
-    Forward: quantize the rows (:func:`quantize_e4m3`), send the e4m3 bytes and the fp32 scales
+    Forward: quantize the rows (:func:`course_lib.precision.fp8.quantize`, e4m3, one fp32 scale per
+    1 × ``block`` tile: amax / 448), send the e4m3 bytes and the fp32 scales
     (two all-to-alls with the same splits), dequantize on receipt. Per element the receiver gets
 
         x̂ = x (1 + δ),  |δ| <= 2^-4        when |x|/scale >= 2^-6 (a normal e4m3 number: 3 mantissa
@@ -168,11 +145,11 @@ class FP8AllToAll(AllToAllRows):
 
     @staticmethod
     def forward(ctx, rows, recv_counts, send_counts, group, block):
-        q, scale = quantize_e4m3(rows, block)
+        q, scale = fp8.quantize(rows, "e4m3", "tile", block=block)
         q_in = q.new_empty(sum(recv_counts), q.shape[1])
         s_in = scale.new_empty(sum(recv_counts), scale.shape[1])
         # gloo moves bytes, not float8: send the e4m3 codes as uint8 (1 byte each, the same payload)
         dist.all_to_all_single(q_in.view(torch.uint8), q.view(torch.uint8), recv_counts, send_counts, group=group)
         dist.all_to_all_single(s_in, scale, recv_counts, send_counts, group=group)
         ctx.counts, ctx.group = (recv_counts, send_counts), group  # AllToAllRows.backward: full precision
-        return dequantize_e4m3(q_in, s_in).to(rows.dtype)
+        return fp8.dequantize(q_in, s_in).to(rows.dtype)
