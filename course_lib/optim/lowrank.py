@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from course_lib.optim.optimizers import _check, _Optimizer
+from course_lib.optim.optimizers import _Optimizer, check_adam_args
 
 __all__ = ["GaLoreAdamW", "galore_state_elements"]
 
@@ -67,11 +67,7 @@ class GaLoreAdamW(_Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
     ):
-        _check("lr", lr, 0.0)
-        _check("beta[0]", betas[0], 0.0, 1.0)
-        _check("beta[1]", betas[1], 0.0, 1.0)
-        _check("eps", eps, 0.0)
-        _check("weight_decay", weight_decay, 0.0)
+        check_adam_args(lr, betas, eps, weight_decay)
         if not isinstance(rank, int) or rank < 1:
             raise ValueError(f"rank must be an int >= 1 (the dimension of the projected gradient), got {rank!r}")
         if not isinstance(update_proj_gap, int) or update_proj_gap < 1:

@@ -69,6 +69,15 @@ def _check(name: str, value: float, low: float, high: float = math.inf) -> None:
         )
 
 
+def check_adam_args(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """The hyper-parameters every Adam-family optimizer takes, checked once (Adam, AdamW, GaLore)."""
+    _check("lr", lr, 0.0)
+    _check("beta[0]", betas[0], 0.0, 1.0)
+    _check("beta[1]", betas[1], 0.0, 1.0)
+    _check("eps", eps, 0.0)
+    _check("weight_decay", weight_decay, 0.0)
+
+
 class SGD(_Optimizer):
     """SGD, with heavy-ball momentum when ``momentum > 0`` and coupled L2 weight decay (g ← g + λθ).
 
@@ -110,11 +119,7 @@ class Adam(_Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
     ):
-        _check("lr", lr, 0.0)
-        _check("beta[0]", betas[0], 0.0, 1.0)
-        _check("beta[1]", betas[1], 0.0, 1.0)
-        _check("eps", eps, 0.0)
-        _check("weight_decay", weight_decay, 0.0)
+        check_adam_args(lr, betas, eps, weight_decay)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
     def _update(self, p, g, state, group):
