@@ -18,39 +18,28 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from course_lib import data
 from course_lib.cost.comm import powersgd_comm_bytes, qsgd_comm_bytes, sign_comm_bytes, topk_comm_bytes
 from course_lib.dist import counter, launch
+from course_lib.measure import compression as compression_runs
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer, next_token_loss
 from course_lib.optim.compression import (
     PowerSGDState,
     QSGDState,
-    SignState,
     TopKState,
     pack_bits,
     powersgd_hook,
     qsgd_dequantize,
-    qsgd_hook,
     qsgd_quantize,
-    sign_hook,
-    topk_hook,
     unpack_bits,
 )
 from course_lib.parallel.data.comm_hook import GradBucket
 from course_lib.parallel.data.ddp import DistributedDataParallel, split_batch
 
-CAP_MB = 0.05  # ~52 KB: the tiny model's 417 KiB of gradients make 5 buckets (as in tests/test_ddp.py)
-GLOBAL_BATCH, SEQ = 8, 32
 EPS = torch.finfo(torch.float32).eps
-
-HOOKS = {  # name -> (make a fresh state, hook); states are per rank and per model
-    "topk": (lambda: TopKState(ratio=0.01), topk_hook),
-    "topk_no_ef": (lambda: TopKState(ratio=0.01, error_feedback=False), topk_hook),
-    "qsgd": (lambda: QSGDState(levels=127), qsgd_hook),
-    "sign": (lambda: SignState(), sign_hook),
-    "powersgd": (lambda: PowerSGDState(matrix_approximation_rank=2), powersgd_hook),
-}
+# the harness's settings and hooks (course_lib.measure.compression): ~52 KB buckets, so the tiny model's
+# 417 KiB of gradients make 5 of them (as in tests/test_ddp.py); 8 sequences of 32 tokens per step
+CAP_MB, HOOKS, _global_batches = compression_runs.CAP_MB, compression_runs.HOOKS, compression_runs.global_batches
 
 
 def _expected_bytes(name: str, shapes: list[tuple[int, ...]], state) -> int:
@@ -63,16 +52,6 @@ def _expected_bytes(name: str, shapes: list[tuple[int, ...]], state) -> int:
     if name == "sign":
         return sign_comm_bytes(n)
     return powersgd_comm_bytes(shapes, state.matrix_approximation_rank, state.min_compression_rate)
-
-
-@functools.lru_cache
-def _language():
-    return data.MarkovLanguage()
-
-
-def _global_batches(n: int, seed: int = 0):
-    ds = data.make_dataset(_language(), GLOBAL_BATCH * SEQ * n + 1, SEQ, seed=seed)
-    return list(ds.batches(GLOBAL_BATCH, seed=seed))[:n]
 
 
 def _shard(batch):
@@ -300,29 +279,15 @@ def test_same_hook_same_gradients_in_course_and_torch_ddp(name):
 STEPS_TRAINED = 30
 
 
-def _train(name, batches):
-    torch.manual_seed(0)
-    model = DistributedDataParallel(Transformer(configs.get("tiny")), bucket_cap_mb=CAP_MB)
-    if name != "none":
-        make, hook = HOOKS[name]
-        model.register_comm_hook(make(), hook)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for batch in batches:
-        opt.zero_grad(set_to_none=True)
-        x, y = _shard(batch)
-        loss = next_token_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(float(total) / dist.get_world_size())
-    return losses
+@functools.cache
+def _runs() -> dict:
+    """Every hook trained 30 steps from one initial model on the same batches, in one launch."""
+    return compression_runs.train_with_hooks(steps=STEPS_TRAINED, seed=1)
 
 
 @pytest.mark.parametrize("name", ["topk", "qsgd", "sign", "powersgd"])
 def test_training_with_each_hook_reduces_the_loss(name):
-    losses = launch(_train, 2, name, _global_batches(STEPS_TRAINED, seed=1), timeout=60)[0]
+    losses = _runs()[name]["loss"]
     first, last = losses[0], sum(losses[-5:]) / 5
     # measured: 4.19 -> 2.78 uncompressed, 2.78 PowerSGD r=2, 2.78 QSGD, 2.79 sign, 2.93 Top-K 1% (the
     # language's floor is 1.90); a hook whose updates were noise would stay near ln 64 = 4.16
@@ -330,6 +295,19 @@ def test_training_with_each_hook_reduces_the_loss(name):
         f"{name}: 30 AdamW steps on the tiny model took the loss from {first:.3f} to {last:.3f} (mean of the "
         "last 5): the compressed gradients should still point downhill"
     )
+
+
+def test_every_training_step_sends_the_same_compressed_payload():
+    runs = _runs()
+    plain = runs["none"]["bytes"]
+    assert len(set(plain)) == 1 and plain[0] == 4 * sum(
+        p.numel() for p in Transformer(configs.get("tiny")).parameters()
+    ), "without a hook, every step should all-reduce each fp32 gradient once: 4 bytes per parameter"
+    for name in ("topk", "qsgd", "sign", "powersgd"):
+        sent = runs[name]["bytes"]
+        # the payloads depend on the bucket sizes only (Top-K's k, PowerSGD's shapes, QSGD's n + 4): the
+        # same every step, each below the plain all-reduce (test_bytes_per_step_match_the_formula: == formula)
+        assert len(set(sent)) == 1 and sent[0] < plain[0], f"{name}: {sent[:3]} bytes per step against {plain[0]}"
 
 
 def _register_twice():
@@ -347,13 +325,8 @@ def test_a_comm_hook_is_registered_once():
     assert "can only be called once" in message, message
 
 
-def _train_topk_both_ways(batches):
-    return _train("topk", batches), _train("topk_no_ef", batches)
-
-
 def test_error_feedback_makes_topk_train_better():
-    batches = _global_batches(STEPS_TRAINED, seed=1)
-    with_ef, without = launch(_train_topk_both_ways, 2, batches, timeout=60)[0]
+    with_ef, without = _runs()["topk"]["loss"], _runs()["topk_no_ef"]["loss"]
     ef, plain = sum(with_ef[-5:]) / 5, sum(without[-5:]) / 5
     # measured 2.93 with error feedback, 3.01 without (Top-K 1%, mean of the last 5 of 30 AdamW steps)
     assert ef < plain - 0.03, (
