@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.nn as nn
 
 from course_lib import cost
+from course_lib.cost.comm import ep_dispatch_bytes, padded_dispatch_bytes
 from course_lib.model import config as configs
 from course_lib.model import moe
 from course_lib.model.transformer import Block
@@ -48,3 +50,20 @@ def test_ep_comm_time():
     assert cost.ep_comm_time(4096, 7168, 8, 1, 2, 50e9, remote_fraction=0.75) == 0.75 * seconds
     with pytest.raises(ValueError, match="bandwidth must be > 0"):
         cost.ep_comm_time(1, 1, 1, 1, 1, 0)
+
+
+def test_padded_dispatch_bytes_are_the_buffers_a_capacity_router_fills():
+    """A capacity-padded dispatch sends E buffers of C rows; the rows the router actually kept are what a
+    padding-free dispatch sends (ep_dispatch_bytes of the kept assignments)."""
+    torch.manual_seed(0)
+    tokens, d, n_experts, k, cf = 512, 32, 8, 2, 1.25
+    router = moe.Router(d, n_experts, k, capacity_factor=cf)
+    routing = router(torch.randn(tokens, d) + torch.randn(d))  # a shared offset: an unbalanced router
+    cap = moe.capacity(tokens, k, n_experts, cf)
+    buffers = torch.zeros(n_experts, cap, d)  # GShard's dispatch tensor, one slot per accepted assignment
+    kept = int(routing.kept.sum())
+    assert buffers.numel() * 2 == padded_dispatch_bytes(n_experts, cap, d, 2)
+    assert kept <= n_experts * cap, "a capacity router never keeps more than E·C assignments"
+    padded, free = padded_dispatch_bytes(n_experts, cap, d, 2), ep_dispatch_bytes(kept, d, 1, 2)
+    # padding costs at least cf x the T·k rows when nothing is dropped, more as the router drops tokens
+    assert padded >= cf * free, (padded, free)

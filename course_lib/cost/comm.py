@@ -354,6 +354,18 @@ def ep_dispatch_bytes(tokens: int, hidden: int, n_experts_per_token: int, bytes_
     return tokens * n_experts_per_token * hidden * bytes_per_element
 
 
+def padded_dispatch_bytes(n_experts: int, capacity: int, hidden: int, bytes_per_element: float = 2) -> float:
+    """Bytes one rank's dispatch carries when every expert receives a fixed buffer of ``capacity`` rows
+    (GShard §2.2, Switch §2.2: an all-to-all of equal splits, rows of unused slots sent as zeros):
+    E · C · hidden · bytes, whatever the routing. With C = ⌈cf · T · k / E⌉ that is about cf times the
+    T · k rows of :func:`ep_dispatch_bytes`, which a padding-free dispatch (uneven splits, as
+    course_lib's all_to_all_single with split sizes; X-MoE's "no-padding" routing) sends instead —
+    and the padded one also drops what overflows C."""
+    if min(n_experts, capacity, hidden) < 0 or bytes_per_element <= 0:
+        raise ValueError("n_experts, capacity and hidden must be >= 0 and bytes_per_element > 0")
+    return n_experts * capacity * hidden * bytes_per_element
+
+
 def fp8_bytes_per_element(block: int = 128, scale_bytes: int = 4) -> float:
     """Bytes per element of an FP8 dispatch: the 1-byte e4m3 value plus one fp32 scale per ``block``
     channels, 1 + 4/block (DeepSeek-V3 report, §3.3.2: activations scaled per 1 x 128 tile; §3.3.3:

@@ -10,4 +10,6 @@ For lectures, tests and benchmarks only: no algorithm imports this package.
 * :mod:`~course_lib.measure.context_parallel` — one traced ring attention, for its overlap timeline
 * :mod:`~course_lib.measure.flops`           — counted matmul FLOPs of a step, step time, this machine's matmul peak
 * :mod:`~course_lib.measure.step_memory`     — bytes held after each phase of one training step
+* :mod:`~course_lib.measure.compression`     — the tiny model trained under each gradient-compression hook: loss and bytes per step
+* :mod:`~course_lib.measure.fixed_point`     — least squares with fixed-point weights, nearest vs stochastic rounding
 """

@@ -7,4 +7,5 @@
 * :mod:`~course_lib.precision.mxfp4`   — MXFP4: E2M1 elements, one E8M0 power-of-two scale per 32 (OCP MX v1.0)
 * :mod:`~course_lib.precision.nf4`     — QLoRA's NF4: normal-quantile codes, blockwise absmax, double quantization
 * :mod:`~course_lib.precision.logfmt`  — DeepSeek's LogFMT-nBit: per-1x128-tile log-magnitude codes
+* :mod:`~course_lib.precision.fixed_point` — fixed-point integers, nearest vs stochastic rounding, exact int8 GEMMs
 """
