@@ -3,4 +3,5 @@
 * :mod:`~course_lib.plots.basics`           loss curves, timelines of spans, number lines, bars
 * :mod:`~course_lib.plots.data_parallel`    DDP's overlap timeline, measured against formula bars
 * :mod:`~course_lib.plots.context_parallel` causal work grid, work per rank, memory against length
+* :mod:`~course_lib.plots.precision`        rounding-error histograms per recipe, bytes against quality
 """
