@@ -152,3 +152,51 @@ def test_averaging_two_finetunes_of_one_base_keeps_their_loss():
     assert losses["soup"] < losses["base"] - margin, (
         f"validation losses {losses}: the soup should keep the fine-tunes' gain over the base"
     )
+
+
+# ------------------------------------------------------------------------------------------------------
+# Distilling the course's tiny model into a smaller one (course_lib.measure.distill)
+# ------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def distilled(one_thread):
+    """Teacher: tiny (107k parameters), 800 steps; students: d_model 32, one layer (26k), 400 steps each
+    from the same initial weights on the same batches. ~10 s on one thread, ~20 s under ATEN_CPU_CAPABILITY=default
+    (measured on the shared 2-core machine)."""
+    from course_lib.measure.distill import distill
+
+    return distill()
+
+
+def test_distilled_student_is_closer_to_its_teacher_than_the_ce_student(distilled):
+    r = distilled
+    kd, ce = r["kd"]["kl_to_teacher"], r["ce"]["kl_to_teacher"]
+    # Measured KL(p_t‖p_s), KD vs CE student: 0.061 vs 0.412 (AVX2 kernels), 0.043 vs 0.410 (scalar kernels);
+    # with seed=1, 0.283 vs 0.465 and 0.157 vs 0.456. The run-to-run spread is *when* the small student leaves
+    # the bigram plateau (~2.67), which kernel rounding shifts by tens of steps. The KD student minimises this
+    # KL directly, the CE student only through one-sample labels; 0.75 holds in all four runs (worst 0.61),
+    # while a KD loss that ignored the teacher (a CE student in disguise) would give a ratio ≈ 1.
+    assert kd < 0.75 * ce, (
+        f"KL to the teacher: KD student {kd:.3f}, CE student {ce:.3f}; the soft targets should pull the KD "
+        "student clearly closer (check the direction of the KL and that the teacher's logits are used)"
+    )
+
+
+def test_losses_against_the_entropy_rate(distilled):
+    r = distilled
+    floor, uniform = r["loss_floor"], r["uniform"]
+    assert r["entropy_rate"] < floor < uniform
+    for name in ("teacher", "kd", "ce"):
+        ce, se = r[name]["val_ce"], r[name]["val_ce_se"]
+        # No model beats the source's floor in expectation; 4 standard errors of the validation mean
+        # (se ≈ 0.02 for 2048 tokens, measured) allow for the sample, and nothing more.
+        assert ce > floor - 4 * se, f"{name}: validation loss {ce:.3f} below the floor {floor:.3f}: a leak?"
+        assert ce < uniform, f"{name}: validation loss {ce:.3f} no better than uniform over 16 symbols"
+    teacher, kd, plain = r["teacher"]["val_ce"], r["kd"]["val_ce"], r["ce"]["val_ce"]
+    # Measured (teacher, KD, CE): 2.050, 2.100, 2.355 (AVX2) and 2.079, 2.096, 2.384 (scalar), floor 1.897; with
+    # seed=1 the gap was 0.095 and 0.234. The KD student also predicts the *language* better: the margin 0.05 is
+    # ~2.5 standard errors of one validation mean (se ≈ 0.02; both students are scored on the same windows, so
+    # their difference is less noisy still) and half the smallest gap measured.
+    assert kd < plain - 0.05, f"validation loss: KD student {kd:.3f}, CE student {plain:.3f} (teacher {teacher:.3f})"
+    assert r["params"]["student"] < r["params"]["teacher"] / 3, "the student must be much smaller than the teacher"

@@ -5,11 +5,12 @@ from fractions import Fraction
 import pytest
 import torch
 
+from course_lib.cost.memory import galore_state_elements
 from course_lib.data import MarkovLanguage, make_dataset
 from course_lib.dist import census
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer
-from course_lib.optim.lowrank import GaLoreAdamW, galore_state_elements
+from course_lib.optim.lowrank import GaLoreAdamW
 from course_lib.optim.optimizers import AdamW
 
 

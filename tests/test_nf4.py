@@ -7,14 +7,9 @@ how to install it.
 import pytest
 import torch
 
+from course_lib.cost.memory import nf4_bits_per_parameter, nf4_bytes
 from course_lib.precision.formats import FORMATS
-from course_lib.precision.nf4 import (
-    NF4_CODE,
-    dequantize_nf4,
-    nf4_bits_per_parameter,
-    nf4_nbytes,
-    quantize_nf4,
-)
+from course_lib.precision.nf4 import NF4_CODE, dequantize_nf4, nf4_nbytes, quantize_nf4
 
 
 def _bnb():
@@ -116,6 +111,18 @@ def test_measured_bytes_equal_the_qlora_formula():
     formula = nf4_bits_per_parameter(double_quant=True)
     assert formula == 4 + 8 / 64 + 32 / (64 * 256)
     assert double == formula + 32 / n, f"4 + 8/64 + 32/(64·256) bits, plus the one fp32 mean: measured {double}"
+
+
+@pytest.mark.parametrize("shape", [(256, 256), (96, 64), (3, 64 * 300)], ids=["whole", "one-partial", "partial"])
+@pytest.mark.parametrize("double_quant", [False, True], ids=["single", "double"])
+def test_measured_bytes_equal_the_exact_formula(shape, double_quant):
+    """cost.memory.nf4_bytes, byte for byte, also when the constants do not fill their last block of 256
+    (96·64 = 6144 elements: 96 constants, one partial block; 3·19200: 900 constants, 3 full + 1 partial)."""
+    t = quantize_nf4(_weights(shape), double_quant=double_quant)
+    n = shape[0] * shape[1]
+    assert nf4_nbytes(t) == nf4_bytes(n, double_quant=double_quant), (
+        f"{shape}, double_quant={double_quant}: measured {nf4_nbytes(t)} B, formula {nf4_bytes(n, double_quant=double_quant)} B"
+    )
 
 
 def test_bad_block_sizes_are_explained():

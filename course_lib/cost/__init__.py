@@ -1,6 +1,6 @@
 """course_lib.cost — every formula of the course, pure arithmetic, each citing its source.
 
-* :mod:`~course_lib.cost.memory`      — model states under ZeRO, optimizer state per parameter
+* :mod:`~course_lib.cost.memory`      — model states under ZeRO, optimizer state per parameter; GaLore, NF4, LoRA, QLoRA bytes
 * :mod:`~course_lib.cost.activations` — activation bytes per layer (Korthikanti et al. 2022), attention per rank
 * :mod:`~course_lib.cost.comm`        — bytes each rank moves: ring collectives, ZeRO, ring attention, Ulysses, 2D/3D TP
 * :mod:`~course_lib.cost.alignment`   — padding to a multiple, GEMM tile utilisation

@@ -8,11 +8,15 @@ buffers, fragmentation). This module is about the model states:
 * :func:`zero_model_state_bytes` — bytes per rank that each ZeRO stage predicts (paper Figure 1);
 * :func:`zero3_gathered_peak_bytes` — ZeRO-3's transient: the gathered units held at once, with prefetch;
 * :func:`state_bytes`, :func:`training_bytes_per_param` — optimizer state per parameter for each
-  optimizer of lecture 01, and the 16 bytes per parameter of mixed-precision Adam.
+  optimizer of lecture 01, and the 16 bytes per parameter of mixed-precision Adam;
+* memory-lean fine-tuning (lecture 05): :func:`galore_state_elements` (GaLore's low-rank Adam state),
+  :func:`nf4_bits_per_parameter` and :func:`nf4_bytes` (QLoRA's 4-bit storage with double quantization),
+  :func:`lora_elements` (LoRA's trainable parameters) and :func:`qlora_bytes`, the three together.
 
 Activations are in :mod:`course_lib.cost.activations`, bytes moved in :mod:`course_lib.cost.comm`.
 What a rank really holds is counted by :func:`course_lib.dist.census.held_bytes`, and
-:mod:`course_lib.measure.zero` sets the two side by side (tests/test_memory.py).
+:mod:`course_lib.measure.zero` sets the two side by side (tests/test_memory.py); the fine-tuning formulas
+meet their measurements in tests/test_lowrank.py, tests/test_nf4.py and tests/test_qlora.py.
 """
 
 from __future__ import annotations
@@ -143,3 +147,88 @@ def zero3_gathered_peak_bytes(unit_bytes: Sequence[int], prefetch: int = 0) -> i
         raise ValueError(f"prefetch must be an int >= 0 (units gathered ahead), got {prefetch!r}")
     window = min(prefetch + 1, len(sizes))
     return max(sum(sizes[i : i + window]) for i in range(len(sizes) - window + 1))
+
+
+# ------------------------------------------------------------------ memory-lean fine-tuning (lecture 05)
+
+
+def galore_state_elements(shape: tuple[int, ...], rank: int) -> int:
+    """Elements of optimizer state GaLore keeps for a parameter of ``shape`` (Zhao et al. 2024, "GaLore:
+    Memory-Efficient LLM Training by Gradient Low-Rank Projection", Table 1): for an m×n matrix projected to
+    rank r, Adam's two moments in the projected space and the projector,
+
+        2·r·max(m, n) + r·min(m, n)        against AdamW's 2·m·n,
+
+    and AdamW's 2·numel for vectors and for matrices with min(m, n) ≤ r (projecting them saves nothing;
+    :class:`course_lib.optim.lowrank.GaLoreAdamW` keeps full moments for them)."""
+    shape = tuple(shape)
+    if len(shape) != 2 or min(shape) <= rank:
+        return 2 * math.prod(shape)
+    m, n = shape
+    return 2 * rank * max(m, n) + rank * min(m, n)
+
+
+def nf4_bits_per_parameter(block_size: int = 64, double_quant: bool = False, dq_block_size: int = 256) -> float:
+    """Bits per parameter of NF4 storage (Dettmers et al. 2023, "QLoRA", §3, "Double Quantization"):
+
+        4 + 32/B                      one fp32 absmax c_b per block of B = 64: 4.5 bits
+        4 + 8/B + 32/(B·B₂)           c_b in 8 bits, one fp32 scale per B₂ = 256 of them: ≈ 4.127 bits
+
+    The one fp32 mean that double quantization subtracts per tensor is not counted here (it is in
+    :func:`nf4_bytes`). What :func:`course_lib.precision.nf4.quantize_nf4` stores."""
+    if double_quant:
+        return 4 + 8 / block_size + 32 / (block_size * dq_block_size)
+    return 4 + 32 / block_size
+
+
+def nf4_bytes(numel: int, block_size: int = 64, double_quant: bool = False, dq_block_size: int = 256) -> int:
+    """Bytes one NF4 tensor of ``numel`` elements holds (QLoRA §3), exactly:
+
+        numel/2 (two 4-bit codes a byte) + n_b·4 (fp32 c_b),   n_b = numel/B blocks
+        numel/2 + n_b·1 (8-bit c_b) + ⌈n_b/B₂⌉·4 (fp32 scales) + 4 (fp32 mean)      with double quantization
+
+    :func:`nf4_bits_per_parameter` is 8·this/numel when B₂ divides n_b, without the mean."""
+    if numel % block_size or block_size % 2:
+        raise ValueError(f"{numel} elements are not a whole number of blocks of {block_size} (an even size)")
+    blocks = numel // block_size
+    if double_quant:
+        return numel // 2 + blocks + 4 * math.ceil(blocks / dq_block_size) + 4
+    return numel // 2 + 4 * blocks
+
+
+def lora_elements(shapes: Iterable, rank: int) -> int:
+    """Trainable parameters of LoRA adapters on matrices of the given [d_out, d_in] ``shapes`` (Hu et al.
+    2021, "LoRA", §4.1): A is r×d_in and B is d_out×r, so r·(d_in + d_out) per adapted matrix."""
+    return sum(rank * sum(getattr(s, "shape", s)) for s in shapes)
+
+
+def qlora_bytes(
+    base_shapes: Iterable,
+    adapter_shapes: Iterable,
+    rank: int,
+    bytes_per_element: int = 4,
+    optimizer: str = "adamw",
+    block_size: int = 64,
+    double_quant: bool = True,
+    dq_block_size: int = 256,
+) -> int:
+    """Bytes of a QLoRA fine-tune's model states (Dettmers et al. 2023, §2 "Memory Requirement of
+    Parameter-Efficient Finetuning" and §3): the frozen base matrices in NF4 (double-quantized by default, as
+    QLoRA does) plus, for the adapters, their parameters, their gradients and the optimizer's state, each
+    ``bytes_per_element`` per element:
+
+        Σ_base nf4_bytes(numel)  +  (1 + 1 + k) · bytes_per_element · Σ_adapted r·(d_in + d_out)
+
+    with k the optimizer's state elements per parameter (2 for AdamW). The frozen base gets no gradient and
+    no optimizer state: that is the whole saving. Not counted: parameters left in full precision (embeddings,
+    norms, the output head) and activations (the adapter's input gradients dominate at long sequences, §2).
+    ``base_shapes``/``adapter_shapes``: [d_out, d_in] shapes or the weight tensors themselves."""
+    if optimizer not in STATE_ELEMENTS or optimizer == "adafactor":
+        raise ValueError(
+            f"optimizer must be one of {[n for n in STATE_ELEMENTS if n != 'adafactor']}, got {optimizer!r}"
+        )
+    base = sum(
+        nf4_bytes(math.prod(getattr(s, "shape", s)), block_size, double_quant, dq_block_size) for s in base_shapes
+    )
+    adapters = lora_elements(adapter_shapes, rank)
+    return base + (2 + STATE_ELEMENTS[optimizer]) * bytes_per_element * adapters

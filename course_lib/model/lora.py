@@ -22,6 +22,13 @@ moments), not activations: the frozen base still runs forward and backward throu
 instead (GaLore). The same adapter in ``peft`` is ``LoraConfig(r, lora_alpha, target_modules=
 ["q_proj", "v_proj"], lora_dropout=0)`` on the model :func:`~course_lib.model.hf_export.export_hf` writes;
 tests/test_lora.py runs the two side by side.
+
+The base need not be an ``nn.Linear``: any frozen stand-in for one that says so (class attribute
+``frozen_linear = True``) and has ``in_features``, ``out_features``, ``bias`` and ``weight`` (the dense
+[d_out, d_in] matrix it computes with) can carry an adapter. QLoRA (Dettmers et al. 2023, §3) is exactly
+that: the base stored in 4-bit NF4 (:class:`course_lib.precision.nf4.NF4Linear`), the adapter in full
+precision, ``apply_lora(quantize_linears(model, targets), targets)`` (tests/test_qlora.py). This file does
+not import the quantized layer: the attribute is the whole contract.
 """
 
 from __future__ import annotations
@@ -33,20 +40,30 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["LoRALinear", "apply_lora", "lora_parameters", "merge_lora"]
+__all__ = ["LoRALinear", "apply_lora", "is_linear_base", "lora_parameters", "merge_lora"]
+
+
+def is_linear_base(module: nn.Module) -> bool:
+    """``nn.Linear`` itself (not a subclass, whose forward may be anything), or a frozen stand-in that
+    declares ``frozen_linear = True`` (e.g. :class:`course_lib.precision.nf4.NF4Linear`)."""
+    return type(module) is nn.Linear or getattr(module, "frozen_linear", False) is True
 
 
 class LoRALinear(nn.Module):
-    """A frozen ``nn.Linear`` plus the trainable low-rank path (α/r)·B·A (Hu et al. 2021, eq. 3).
+    """A frozen ``nn.Linear`` (or a stand-in, :func:`is_linear_base`) plus the trainable low-rank path
+    (α/r)·B·A (Hu et al. 2021, eq. 3).
 
     forward(x) = base(x) + (α/r) · B(A(x)), computed in that order (x → A → B → scale), which is
     also ``peft``'s order: the same A and B give the same bits.
     """
 
-    def __init__(self, base: nn.Linear, r: int, alpha: float):
+    def __init__(self, base: nn.Module, r: int, alpha: float):
         super().__init__()
-        if not isinstance(base, nn.Linear):
-            raise TypeError(f"LoRALinear wraps an nn.Linear, got {type(base).__name__}")
+        if not (isinstance(base, nn.Linear) or is_linear_base(base)):
+            raise TypeError(
+                f"LoRALinear wraps an nn.Linear or a frozen stand-in declaring frozen_linear = True "
+                f"(e.g. precision.nf4.NF4Linear), got {type(base).__name__}"
+            )
         if not isinstance(r, int) or not 1 <= r <= min(base.in_features, base.out_features):
             raise ValueError(
                 f"rank r={r!r} must be an int in 1..min(d_in, d_out) = 1..{min(base.in_features, base.out_features)}: "
@@ -55,7 +72,7 @@ class LoRALinear(nn.Module):
         self.base = base
         self.base.requires_grad_(False)  # W (and a bias, if any) stay as they were: only A and B train
         self.r, self.alpha, self.scaling = r, alpha, alpha / r
-        weight = base.weight
+        weight = base.weight  # read for its dtype and device (a stand-in dequantizes it here, once)
         self.lora_A = nn.Parameter(torch.empty(r, base.in_features, dtype=weight.dtype, device=weight.device))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, dtype=weight.dtype, device=weight.device))
         # nn.Linear's own default draw, as loralib and peft (init_lora_weights=True) use for A
@@ -66,15 +83,20 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def merged(self) -> nn.Linear:
-        """The base layer with W ← W + (α/r)·B·A folded in (a new ``nn.Linear``; this module is unchanged)."""
+        """The base layer with W ← W + (α/r)·B·A folded in (a new ``nn.Linear``; this module is unchanged).
+
+        A quantized base is dequantized first, so the merged layer is dense, in the compute dtype: a sum of a
+        4-bit grid and a low-rank update is on no 4-bit grid (re-quantizing it would round the update away).
+        """
+        weight = self.base.weight
         out = nn.Linear(
             self.base.in_features,
             self.base.out_features,
             bias=self.base.bias is not None,
-            dtype=self.base.weight.dtype,
-            device=self.base.weight.device,
+            dtype=weight.dtype,
+            device=weight.device,
         )
-        out.weight.copy_(self.base.weight + (self.lora_B @ self.lora_A) * self.scaling)  # peft's order too
+        out.weight.copy_(weight + (self.lora_B @ self.lora_A) * self.scaling)  # peft's order too
         if self.base.bias is not None:
             out.bias.copy_(self.base.bias)
         return out
@@ -98,8 +120,9 @@ def _replace(model: nn.Module, wanted, make) -> list[str]:
 
 
 def apply_lora(model: nn.Module, targets=("wq", "wv"), r: int = 8, alpha: float = 16.0) -> nn.Module:
-    """Freeze every parameter of ``model`` and wrap each ``nn.Linear`` named in ``targets`` in a
-    :class:`LoRALinear` (in place; returns ``model``). Only the adapters' A and B then train.
+    """Freeze every parameter of ``model`` and wrap each ``nn.Linear`` (or stand-in, :func:`is_linear_base`)
+    named in ``targets`` in a :class:`LoRALinear` (in place; returns ``model``). Only the adapters' A and B
+    then train.
 
     ``targets`` are attribute names (``"wq"`` matches ``layers.3.attention.wq``), as ``peft``'s
     ``target_modules`` are. A target that matches nothing is an error, not a silent no-op.
@@ -107,9 +130,9 @@ def apply_lora(model: nn.Module, targets=("wq", "wv"), r: int = 8, alpha: float 
     if isinstance(targets, str):
         targets = (targets,)
     model.requires_grad_(False)
-    swapped = _replace(model, set(targets), lambda m: LoRALinear(m, r, alpha) if type(m) is nn.Linear else None)
+    swapped = _replace(model, set(targets), lambda m: LoRALinear(m, r, alpha) if is_linear_base(m) else None)
     if not swapped:
-        linears = sorted({n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        linears = sorted({n.rpartition(".")[2] for n, m in model.named_modules() if is_linear_base(m)})
         raise ValueError(f"no nn.Linear named {tuple(targets)} in the model; its linear layers are named {linears}")
     return model
 
@@ -125,7 +148,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
         if not isinstance(module, LoRALinear):
             return None
         merged = module.merged()
-        merged.requires_grad_(module.base.weight.requires_grad)
+        merged.requires_grad_(any(p.requires_grad for p in module.base.parameters()))
         return merged
 
     _replace(model, wanted, make)

@@ -29,6 +29,15 @@ with bitsandbytes by error, not bit for bit. Memory per parameter:
     double:  4 + 8/64 + 32/(64·256)     ≈ 4.127 bits     (+ 32 bits once for the mean)
 
 Two elements per byte, the first in the high nibble (bitsandbytes' order, so packed bytes compare directly).
+Those bit counts are formulas, so they live in :mod:`course_lib.cost.memory` (``nf4_bits_per_parameter``,
+``nf4_bytes``); :func:`nf4_nbytes` here measures what a quantized tensor really holds.
+
+QLoRA's frozen base (§3, eq. 5): the weight is *stored* in NF4 and *computed with* in a 16- or 32-bit
+dtype, dequantized on the fly, Y = X · doubleDequant(c₂, c_b, W_NF4)ᵀ. :class:`NF4Linear` is that layer, a
+frozen stand-in for ``nn.Linear`` (no parameters: nothing of it trains); :func:`quantize_linears` swaps it in
+for a model's linear layers. With :func:`course_lib.model.lora.apply_lora` on top, only the adapters train:
+QLoRA = ``apply_lora(quantize_linears(model, targets), targets)`` (tests/test_qlora.py, against bitsandbytes'
+``Linear4bit``).
 """
 
 from __future__ import annotations
@@ -36,15 +45,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 from course_lib.precision.formats import FORMATS, round_to_format
 
 __all__ = [
+    "NF4Linear",
     "NF4Tensor",
     "dequantize_nf4",
-    "nf4_bits_per_parameter",
     "nf4_code",
     "nf4_nbytes",
+    "quantize_linears",
     "quantize_nf4",
 ]
 
@@ -153,10 +165,116 @@ def nf4_nbytes(t: NF4Tensor) -> int:
     return sum(x.numel() * x.element_size() for x in held)
 
 
-def nf4_bits_per_parameter(
-    block_size: int = BLOCK_SIZE, double_quant: bool = False, dq_block_size: int = DQ_BLOCK_SIZE
-) -> float:
-    """QLoRA §3: 4 + 32/B, or 4 + 8/B + 32/(B·B₂) with double quantization (the one fp32 mean not counted)."""
-    if double_quant:
-        return 4 + 8 / block_size + 32 / (block_size * dq_block_size)
-    return 4 + 32 / block_size
+# ----------------------------------------------------------------------------------------------------------------
+# QLoRA's frozen base layer
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class NF4Linear(nn.Module):
+    """A frozen ``nn.Linear`` whose weight is stored in NF4: y = x·Ŵᵀ + b, Ŵ = :func:`dequantize_nf4` of the
+    stored tensor in ``compute_dtype`` (QLoRA §3, eq. 5; bitsandbytes' ``Linear4bit``).
+
+    It holds no parameters: ``packed``, ``absmax`` (and with double quantization ``absmax_scale``,
+    ``absmax_offset``) and ``bias`` are buffers, so they move with ``.to(device)`` and are saved in the
+    ``state_dict``, but no optimizer can reach them. The gradient still flows through to x, which is what LoRA
+    needs. It stands in for ``nn.Linear`` where a LoRA adapter is attached (``frozen_linear = True``, read by
+    :func:`course_lib.model.lora.apply_lora`): ``in_features``, ``out_features``, ``bias``, and ``weight``, the
+    dequantized [d_out, d_in] matrix (a new tensor at each read; merging an adapter reads it).
+
+    Cast the model *before* quantizing: ``.to(dtype)``/``.half()`` would convert the stored constants too (they
+    are floating-point buffers), and :attr:`nf4` refuses them then.
+    """
+
+    frozen_linear = True
+
+    def __init__(
+        self,
+        t: NF4Tensor,
+        bias: torch.Tensor | None = None,
+        compute_dtype: torch.dtype = torch.float32,
+        dq_block_size: int = DQ_BLOCK_SIZE,
+    ):
+        super().__init__()
+        if len(t.shape) != 2:
+            raise ValueError(f"NF4Linear takes a quantized [d_out, d_in] matrix, got shape {t.shape}")
+        self.out_features, self.in_features = t.shape
+        self.block_size, self.dq_block_size, self.compute_dtype = t.block_size, dq_block_size, compute_dtype
+        self.register_buffer("packed", t.packed)
+        self.register_buffer("absmax", t.absmax)
+        self.register_buffer("absmax_scale", t.absmax_scale)
+        self.register_buffer("absmax_offset", t.absmax_offset)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(compute_dtype).clone())
+        self._absmax_dtype = t.absmax.dtype
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        block_size: int = BLOCK_SIZE,
+        double_quant: bool = True,
+        dq_block_size: int = DQ_BLOCK_SIZE,
+        compute_dtype: torch.dtype | None = None,
+    ) -> NF4Linear:
+        """Quantize ``linear.weight`` (QLoRA's defaults: B = 64, double quantization with B₂ = 256); the bias
+        is kept as it is. ``compute_dtype`` defaults to the weight's own dtype."""
+        t = quantize_nf4(linear.weight, block_size, double_quant=double_quant, dq_block_size=dq_block_size)
+        return cls(t, linear.bias, compute_dtype or linear.weight.dtype, dq_block_size)
+
+    @property
+    def nf4(self) -> NF4Tensor:
+        """The stored tensor (views of the buffers, no copy)."""
+        if self.packed.dtype != torch.uint8 or self.absmax.dtype != self._absmax_dtype:
+            raise TypeError(
+                f"NF4Linear's stored tensors were cast (packed {self.packed.dtype}, absmax {self.absmax.dtype}, "
+                f"stored as uint8 and {self._absmax_dtype}): cast the model before quantize_linears, not after"
+            )
+        shape = (self.out_features, self.in_features)
+        return NF4Tensor(self.packed, self.absmax, shape, self.block_size, self.absmax_scale, self.absmax_offset)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """Ŵ = doubleDequant(c₂, c_b, W_NF4) in ``compute_dtype``: what the forward multiplies with."""
+        return dequantize_nf4(self.nf4, self.compute_dtype, self.dq_block_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Dequantize, then one ordinary GEMM: bitsandbytes' CPU path does the same (F.linear on the dequantized
+        # weight), which is why the two agree bit for bit when their stored constants agree (tests/test_qlora.py).
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        dq = f", double_quant (B₂={self.dq_block_size})" if self.absmax_scale is not None else ""
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"block_size={self.block_size}{dq}, compute_dtype={self.compute_dtype}"
+        )
+
+
+def quantize_linears(
+    model: nn.Module,
+    targets,
+    block_size: int = BLOCK_SIZE,
+    double_quant: bool = True,
+    dq_block_size: int = DQ_BLOCK_SIZE,
+) -> nn.Module:
+    """Replace every ``nn.Linear`` whose attribute name is in ``targets`` by its :class:`NF4Linear` (in place;
+    returns ``model``). ``targets`` are names as in ``apply_lora`` (``"wq"`` matches ``layers.0.attention.wq``);
+    QLoRA quantizes every linear layer of the transformer blocks and puts an adapter on each (§4: adapters on all
+    of them are what matches full fine-tuning); transformers' ``load_in_4bit`` keeps the output head in 16 bits
+    and embeddings are not linear layers. A target that matches nothing is an error.
+
+    Quantize after any ``.to(dtype)``: the layers compute in the dtype their weight had.
+    """
+    if isinstance(targets, str):
+        targets = (targets,)
+    wanted = set(targets)
+    swapped = []
+    for name, module in list(model.named_modules()):
+        parent, _, child = name.rpartition(".")
+        if child in wanted and type(module) is nn.Linear:
+            new = NF4Linear.from_linear(module, block_size, double_quant, dq_block_size)
+            setattr(model.get_submodule(parent) if parent else model, child, new)
+            swapped.append(name)
+    if not swapped:
+        linears = sorted({n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ValueError(f"no nn.Linear named {tuple(targets)} in the model; its linear layers are named {linears}")
+    return model
