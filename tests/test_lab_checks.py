@@ -23,6 +23,7 @@ from course_lib.grading.labs import lab04_tensor_parallel as lab04
 from course_lib.grading.labs import lab05_pipeline as lab05
 from course_lib.grading.labs import lab06_sequence_parallel as lab06
 from course_lib.grading.labs import lab07_moe as lab07
+from course_lib.grading.labs import lab08_fp8 as lab08
 
 SHIMS = str(Path(__file__).resolve().parent / "lab_shims.py")
 
@@ -62,8 +63,23 @@ LIBRARY = {
         dispatch="course_lib.parallel.expert.dispatch",
         combine="course_lib.parallel.expert.dispatch",
     ),
+    "lab08": Adapter.of_library(  # the lab's groups are course_lib's private _amax; amax= goes through a shim
+        quantize=f"{SHIMS}:quantize",
+        dequantize="course_lib.precision.fp8",
+        amax_per_group="course_lib.precision.fp8:_amax",
+        expand_scale="course_lib.precision.fp8",
+        FP8Linear="course_lib.precision.fp8",
+    ),
 }
-GRADERS = {"lab02": lab02, "lab03": lab03, "lab04": lab04, "lab05": lab05, "lab06": lab06, "lab07": lab07}
+GRADERS = {
+    "lab02": lab02,
+    "lab03": lab03,
+    "lab04": lab04,
+    "lab05": lab05,
+    "lab06": lab06,
+    "lab07": lab07,
+    "lab08": lab08,
+}
 NOT_IN_LIBRARY = {lab03.check_padding}  # see the module docstring
 ROLES_NOT_IN_LIBRARY = {"lab03": {"padded_size", "shard_of"}}
 CHECKS = [

@@ -117,3 +117,13 @@ def test_lab07_runs_under_accelerate_launch_at_2_ranks(accelerate_launch):
         f"the bytes measured must equal the formula: {sent}"
     )
     assert "your balancing loss evened out the load: True" in out.stdout, out.stdout
+
+
+def test_lab08_runs_under_accelerate_launch_at_2_ranks(accelerate_launch):
+    """Lab 08's entry point (tests/test_fp8.py tests the library's FP8; the lab's script is here)."""
+    out = accelerate_launch("solutions/lab08_fp8/run.py", "--steps", 12, num_processes=2, timeout=120)
+    assert "2 ranks, backend gloo; FP8 recipe 'block', 12 steps of 2·256 examples" in out.stdout, out.stdout
+    rows = [line.split() for line in out.stdout.splitlines() if line.startswith(("e4m3 ", "e5m2 "))]
+    flushed = {(row[0], row[1]): int(row[-3]) for row in rows}  # format, recipe, error, N "of" total
+    assert flushed[("e4m3", "tile")] < flushed[("e4m3", "tensor")], f"tiles must flush fewer to zero: {flushed}"
+    assert "FP8 training follows bf16 (loss decrease within 25%): True" in out.stdout, out.stdout

@@ -1,0 +1,103 @@
+"""Lab 08's grader can fail: planted bugs in copies of the reference solution lose their task's points.
+
+tests/test_labs.py proves that the solution scores full marks and the starter nothing; a check that
+passed everything would satisfy both. Here each case copies solutions/lab08_fp8/fp8.py, plants one
+mistake a learner makes with FP8, and requires that the check of the task it belongs to fails — and,
+where it matters, that the other tasks' checks still pass (each task is graded on its own).
+"""
+
+from pathlib import Path
+
+import pytest
+
+from course_lib.grading.labs import lab08_fp8 as lab08
+
+SOLUTION = Path(__file__).resolve().parent.parent / "solutions" / "lab08_fp8" / "fp8.py"
+
+BUGS = {  # name: ([(what the solution says, what the bug says)], checks that must fail, checks that must pass)
+    "scale_is_amax_not_amax_over_max": (
+        [("s = torch.where(a > 0, a / f.max, torch.ones_like(a))", "s = torch.where(a > 0, a, torch.ones_like(a))")],
+        {lab08.check_per_tensor},
+        {lab08.check_amax_per_group, lab08.check_linear_forward, lab08.check_linear_backward},
+    ),
+    "no_saturation": (
+        [(".clamp(-f.max, f.max).to(f.dtype)", ".to(f.dtype)")],
+        {lab08.check_saturation},
+        {lab08.check_per_tensor},  # with x's own amax nothing overflows: only the saturation check can tell
+    ),
+    "per_tensor_scale_where_tiles_were_asked": (
+        [
+            (
+                "return x.reshape(*x.shape[:-1], cols // bc, bc).abs().amax(-1)",
+                "return x.abs().amax().expand(*x.shape[:-1], cols // bc)",
+            )
+        ],
+        {lab08.check_amax_per_group, lab08.check_outlier},
+        {lab08.check_per_tensor, lab08.check_expand_scale, lab08.check_linear_forward},
+    ),
+    "expand_scale_repeats_instead_of_interleaving": (
+        [
+            (
+                "s.repeat_interleave(rows // s.shape[0], 0).repeat_interleave(cols // s.shape[1], 1)",
+                "s.repeat(rows // s.shape[0], cols // s.shape[1])",
+            )
+        ],
+        {lab08.check_expand_scale},
+        {lab08.check_per_tensor, lab08.check_amax_per_group},
+    ),
+    "forward_multiplies_fp32_x": (
+        [("y = fp8_matmul((qx, sx), (qw, sw))", "y = x2.float() @ dequantize(qw, sw).T")],
+        {lab08.check_linear_forward},
+        {lab08.check_linear_backward},
+    ),
+    "backward_gradient_in_e4m3": (
+        [("qg, sg = quantize(g2, ctx.grad_fmt, ", "qg, sg = quantize(g2, E4M3, ")],
+        {lab08.check_linear_backward},
+        {lab08.check_linear_forward},
+    ),
+    "backward_uses_fp32_x": (
+        [
+            ("ctx.save_for_backward(qx, sx, qw, sw)", "ctx.save_for_backward(qx, sx, qw, sw, x2.detach().float())"),
+            ("qx, sx, qw, sw = ctx.saved_tensors", "qx, sx, qw, sw, x_fp32 = ctx.saved_tensors"),
+            ("dw = fp8_matmul((qg.t(), sg.t()), (qx.t(), sx.t()))", "dw = dequantize(qg, sg).T @ x_fp32"),
+        ],
+        {lab08.check_linear_backward},
+        {lab08.check_linear_forward},
+    ),
+    "weight_quantized_once_not_from_the_master_copy": (  # a fresh layer is right; training is not
+        [
+            (
+                "return _FP8LinearFunction.apply(x, self.weight, self.bias, self.recipe, self.grad_fmt)",
+                "if not hasattr(self, 'w0'):\n"
+                "            self.w0 = self.weight.detach().clone()\n"
+                "        stale = self.weight + (self.w0 - self.weight).detach()\n"
+                "        return _FP8LinearFunction.apply(x, stale, self.bias, self.recipe, self.grad_fmt)",
+            )
+        ],
+        {lab08.check_fp8_training},
+        {lab08.check_linear_forward, lab08.check_linear_backward},
+    ),
+}
+
+
+def _fails(check, impl) -> bool:
+    try:
+        check(impl)
+    except (AssertionError, NotImplementedError):
+        return True
+    return False
+
+
+@pytest.mark.parametrize("bug", sorted(BUGS))
+def test_a_planted_bug_costs_its_task_and_only_its_task(bug, tmp_path):
+    replacements, must_fail, must_pass = BUGS[bug]
+    text = SOLUTION.read_text()
+    for old, new in replacements:
+        assert text.count(old) == 1, f"{bug}: the solution no longer says {old!r}: update the planted bug"
+        text = text.replace(old, new)
+    (tmp_path / "fp8.py").write_text(text)
+    impl = lab08.adapter(tmp_path)
+    for check in sorted(must_fail, key=lambda c: c.__name__):
+        assert _fails(check, impl), f"{bug}: {check.__name__} must fail on this mistake, and passed"
+    for check in sorted(must_pass, key=lambda c: c.__name__):
+        check(impl)  # another task's check: raises (and fails the test) if the bug leaked into it
