@@ -12,6 +12,7 @@ For lectures, tests and benchmarks only: no algorithm imports this package.
 * :mod:`~course_lib.measure.step_memory`     — bytes held after each phase of one training step
 * :mod:`~course_lib.measure.compression`     — the tiny model trained under each gradient-compression hook: loss and bytes per step
 * :mod:`~course_lib.measure.fixed_point`     — least squares with fixed-point weights, nearest vs stochastic rounding
+* :mod:`~course_lib.measure.precision`       — the course model trained in fp32, bf16 autocast and FP8 (tensor, block): losses and gaps
 * :mod:`~course_lib.measure.qlora`           — QLoRA on the tiny model: NF4 base + adapters, training, bytes held
 * :mod:`~course_lib.measure.distill`         — a teacher distilled into a smaller student, against the same student on labels
 """

@@ -62,6 +62,7 @@ weights stay fp32 (the master copy) and are quantized at every call.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -77,6 +78,7 @@ __all__ = [
     "RECIPES",
     "AmaxHistory",
     "FP8Linear",
+    "convert_to_fp8_training",
     "dequantize",
     "expand_scale",
     "fp8_format",
@@ -457,3 +459,58 @@ class FP8Linear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, recipe={self.recipe!r}, grad_fmt={self.grad_fmt.name}"
         )
+
+
+# ------------------------------------------------------------------------------ a whole model
+
+
+def convert_to_fp8_training(
+    module: nn.Module,
+    recipe: str = "block",
+    *,
+    skip: Iterable[str] | Callable[[str, nn.Linear], bool] = (),
+    grad_fmt: str | FloatFormat = "e5m2",
+) -> nn.Module:
+    """Swap every ``nn.Linear`` inside ``module`` for an :class:`FP8Linear` (in place; returns ``module``).
+
+    This is what DeepSeek-V3 §3.3.1 ("mixed precision framework") does to a model: the GEMMs of the
+    linear layers run in FP8, while the embedding, the output head, the normalizations, attention's
+    own products, the MoE gate and the optimizer stay in higher precision (BF16/FP32), because
+    they are cheap or sensitive. ``skip`` keeps some linears as they are: qualified module names
+    (``{"output"}``: the head, as ``model.named_modules()`` names it) or a predicate
+    ``skip(name, linear) -> True`` to keep one (torchao's ``module_filter_fn`` is the opposite:
+    True to convert). Modules that are not exactly ``nn.Linear`` (subclasses, FP8Linear itself) are
+    left alone: their forward may not be x Wᵀ + b.
+
+    Each FP8Linear takes over the linear's own ``weight`` and ``bias`` Parameters, not copies:
+    the state-dict keys, tied weights (a head tied to the embedding) and an optimizer built
+    before the swap all keep pointing at the master weights. Layers are built on the meta device,
+    so the swap allocates nothing and draws nothing from torch's random generator (a run with
+    and without the swap sees the same random numbers afterwards).
+    """
+    if type(module) is nn.Linear:
+        raise TypeError("this swaps the linears inside a module; convert a lone nn.Linear with FP8Linear.from_linear")
+    if recipe not in LINEAR_RECIPES:
+        raise ValueError(f"unknown FP8Linear recipe {recipe!r}; choose one of {', '.join(LINEAR_RECIPES)}")
+    if callable(skip):
+        keep = skip
+    else:
+        names = set(skip)
+        unknown = names - {name for name, _ in module.named_modules()}
+        if unknown:
+            raise ValueError(f"skip names modules that are not in the model: {sorted(unknown)} (see named_modules())")
+        keep = lambda name, linear: name in names
+    # every path to a linear (remove_duplicate=False: a module registered twice is swapped at both places)
+    targets = [(n, m) for n, m in module.named_modules(remove_duplicate=False) if type(m) is nn.Linear]
+    swapped: dict[int, FP8Linear] = {}  # one FP8Linear per linear, however many names lead to it
+    for name, linear in targets:
+        if keep(name, linear):
+            continue
+        if id(linear) not in swapped:
+            with torch.device("meta"):  # no allocation, no random draws: the Parameters come from `linear`
+                layer = FP8Linear(linear.in_features, linear.out_features, linear.bias is not None, recipe, grad_fmt)
+            layer.weight, layer.bias = linear.weight, linear.bias
+            swapped[id(linear)] = layer
+        parent, _, child = name.rpartition(".")
+        setattr(module.get_submodule(parent), child, swapped[id(linear)])
+    return module
