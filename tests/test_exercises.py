@@ -35,6 +35,8 @@ def _run_check(name: str, ns: dict, tp_counted) -> str:
         return exercises.check_tp_step_prediction(ns[name], tp_counted, configs.get("tiny").d_model)
     if name == "kv_cache_bytes":
         return exercises.check_kv_cache_bytes(ns[name])
+    if name == "lora_trainable_params":
+        return exercises.check_lora_trainable_params(ns[name])
     # ring_comm_bytes equals what the counter measures: tests/test_ring_attention.py and lecture 03 §2.5
     sent = ring_comm_bytes(RING["B"], RING["S"], RING["HKV"], RING["D"], RING["N"])["forward_bytes"]
     return exercises.check_ring_forward_bytes(ns[name], sent, *RING.values())
@@ -46,6 +48,7 @@ EXERCISES = [
     ("02_data_and_tensor_parallelism.ipynb", "predict_tp_step"),
     ("03_pipeline_sequence_expert_parallelism.ipynb", "ring_forward_bytes"),
     ("04_frontier_architectures.ipynb", "kv_cache_bytes"),
+    ("05_frontier_training_optimizations.ipynb", "lora_trainable_params"),
 ]
 
 
@@ -101,5 +104,13 @@ def test_a_wrong_answer_fails_with_what_to_look_at(tp_counted):
         exercises.check_ring_forward_bytes(lambda B, S, HKV, D, N: B * S * HKV * D * 4, 49152, *RING.values())
     with pytest.raises(AssertionError, match="the 'sliding' ones only the last"):  # no window: every layer grows
         exercises.check_kv_cache_bytes(lambda cfg, L: 2 * cfg.n_kv_heads * cfg.head_dim * 2 * cfg.n_layers * L)
+    with pytest.raises(AssertionError, match="wk and wv map d_model"):  # every projection d_model wide
+        exercises.check_lora_trainable_params(lambda cfg, t, r: cfg.n_layers * len(t) * 2 * r * cfg.d_model)
+    with pytest.raises(AssertionError, match="wk and wv map d_model"):  # one layer only
+        exercises.check_lora_trainable_params(
+            lambda cfg, t, r: sum(
+                r * (cfg.d_model + (cfg.n_heads if n in ("wq", "wo") else cfg.n_kv_heads) * cfg.head_dim) for n in t
+            )
+        )
     with pytest.raises(AssertionError, match="Walk the model"):
         exercises.check_tp_step_prediction(lambda n, b, s, d: (0, 0, 0), tp_counted, 64)

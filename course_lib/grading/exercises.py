@@ -30,6 +30,8 @@ import torch
 from course_lib.cost.memory import zero_model_state_bytes
 from course_lib.grading.adapter import load
 from course_lib.model import config as configs
+from course_lib.model.lora import apply_lora, lora_parameters
+from course_lib.model.transformer import Transformer
 
 ROOT = Path(__file__).resolve().parents[2]
 ANSWERS = ROOT / "solutions" / "lectures" / "answers.py"
@@ -172,3 +174,35 @@ def check_kv_cache_bytes(kv_cache_bytes) -> str:
                 f"cfg.layer_types keep every token, the 'sliding' ones only the last cfg.sliding_window"
             )
     return "KV exercise: every context and both gpt-oss models, as ModelConfig.kv_cache_bytes counts"
+
+
+# ------------------------------------------------------------------ lecture 05: LoRA
+
+
+def check_lora_trainable_params(lora_trainable_params) -> str:
+    """The learner's count of LoRA parameters against the adapters apply_lora actually creates.
+
+    Three small configurations (MHA, GQA with 2 and 1 K/V heads, head_dim ≠ d_model / n_heads) and four
+    target sets: a count that uses d_model for every projection, forgets the layers or counts one of A
+    and B is wrong on at least one of them. Counting is exact, so the comparison is too.
+    """
+    shapes = {
+        "tiny": {},
+        "tiny, GQA 4:2": dict(n_heads=4, n_kv_heads=2),
+        "tiny, MQA, head_dim 24": dict(n_heads=4, n_kv_heads=1, head_dim=24, n_layers=3),
+    }
+    for label, overrides in shapes.items():
+        cfg = configs.get("tiny", **overrides)
+        for targets in (("wq", "wv"), ("wk",), ("wo",), ("wq", "wk", "wv", "wo")):
+            for r in (1, 4):
+                torch.manual_seed(0)
+                model = apply_lora(Transformer(cfg), targets, r=r)
+                want = sum(p.numel() for p in lora_parameters(model))
+                got = _call("lora_trainable_params", lora_trainable_params, cfg, targets, r)
+                assert got == want, (
+                    f"{label} (d_model={cfg.d_model}, n_heads={cfg.n_heads}, n_kv_heads={cfg.n_kv_heads}, "
+                    f"head_dim={cfg.head_dim}, n_layers={cfg.n_layers}), targets {targets}, r={r}: you count "
+                    f"{got:,}, apply_lora creates {want:,}. Each target W [d_out, d_in] gets A [r, d_in] and "
+                    "B [d_out, r]; wk and wv map d_model to n_kv_heads x head_dim; every layer has its own"
+                )
+    return "LoRA exercise: your count equals the adapters apply_lora creates, for every config, target set and rank"

@@ -46,3 +46,12 @@ def kv_cache_bytes(cfg, context):
     full = cfg.layer_types.count("full")
     sliding = cfg.layer_types.count("sliding")
     return per_token * (full * context + sliding * min(context, cfg.sliding_window))
+
+
+# Lecture 05, §7: a target W [d_out, d_in] gets A [r, d_in] and B [d_out, r], r·(d_in + d_out) parameters;
+# wq and wo map between d_model and n_heads·head_dim, wk and wv between d_model and n_kv_heads·head_dim.
+def lora_trainable_params(cfg, targets, r):
+    q = cfg.n_heads * cfg.head_dim
+    kv = cfg.n_kv_heads * cfg.head_dim
+    widths = {"wq": q, "wk": kv, "wv": kv, "wo": q}
+    return cfg.n_layers * sum(r * (cfg.d_model + widths[t]) for t in targets)
