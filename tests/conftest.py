@@ -9,6 +9,7 @@ matplotlib.use("Agg")  # tests draw headless: no window, the same drawing
 
 import matplotlib.pyplot as plt
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -18,6 +19,18 @@ def _close_figures():
     """Plots made by one test must not pile up in the next."""
     yield
     plt.close("all")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one thread for a module (``pytestmark = pytest.mark.usefixtures("one_thread")``). The course
+    model's 64- to 128-wide matrices gain nothing from a second thread, and on the shared 2-core machine it
+    waits for a busy core: a tiny-model step took ~130 ms on 1 thread and 700-1000 ms on 2 under load, and
+    test_fp8_training's four runs ~12 s against 70 s (measured)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

@@ -25,15 +25,8 @@ from course_lib.precision.fp8 import FP8Linear, convert_to_fp8_training, dequant
 U = 2.0**-24  # fp32 unit roundoff
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The training runs' 128-wide matrices gain little from a second thread, and on the shared 2-core
-    machine it waits for a busy core: the four runs took ~12 s on 1 thread and 70 s on 2 under load
-    (measured), as tests/test_distill_merge.py found for its tiny model."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# one thread for the whole module: see one_thread in tests/conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------------ the swap

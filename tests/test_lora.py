@@ -24,14 +24,8 @@ R, ALPHA, TARGETS = 4, 8.0, ("wq", "wv")
 MERGE_ATOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tiny model's 64-wide matrices gain nothing from a second thread, and on the shared 2-core machine
-    it waits for a busy core: a step took ~130 ms on 1 thread and 700-1000 ms on 2 under load (measured)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# one thread for the whole module: see one_thread in tests/conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _base(seed=0):

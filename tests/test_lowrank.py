@@ -13,15 +13,8 @@ from course_lib.model.transformer import Transformer
 from course_lib.optim.lowrank import GaLoreAdamW
 from course_lib.optim.optimizers import AdamW
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Matrices 64 wide gain nothing from a second thread, and on the shared 2-core machine it waits for a
-    busy core: a tiny-model step took ~130 ms on 1 thread and 700-1000 ms on 2 under load (measured)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# one thread for the whole module: see one_thread in tests/conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _one_step(opt_class, shape, **kwargs):
