@@ -29,9 +29,11 @@ def test_ruff_format_check_passes():
     assert out.returncode == 0, f"files need formatting: run `ruff format .`\n{out.stdout}{out.stderr}"
 
 
-def test_notebooks_are_linted_too():
+def test_notebooks_and_the_runtime_are_linted_too():
     out = _ruff("check", "--show-files", ".")
     assert "01_foundations.ipynb" in out.stdout, "ruff must read the lecture notebooks (extend-include in pyproject)"
+    # ruff's default exclude list skips every folder named "dist": pyproject.toml lists it without that name
+    assert "course_lib/dist/launch.py" in out.stdout, "ruff must read course_lib/dist/ (exclude in pyproject)"
 
 
 def test_a_planted_unused_import_fails_the_check(tmp_path):
