@@ -1,5 +1,6 @@
 """Every lab's grader proven both ways, the single-source rule, and the accelerate entry points."""
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from course_lib.cli import PORTABILITY_MATRIX
+from course_lib.dist import trace
 from course_lib.grading import grade, starters
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,3 +129,23 @@ def test_lab08_runs_under_accelerate_launch_at_2_ranks(accelerate_launch):
     flushed = {(row[0], row[1]): int(row[-3]) for row in rows}  # format, recipe, error, N "of" total
     assert flushed[("e4m3", "tile")] < flushed[("e4m3", "tensor")], f"tiles must flush fewer to zero: {flushed}"
     assert "FP8 training follows bf16 (loss decrease within 25%): True" in out.stdout, out.stdout
+
+
+def test_lab02_run_py_writes_one_chrome_trace_of_every_rank(accelerate_launch, tmp_path):
+    """``run.py --trace PATH`` (every lab's entry point has it): rank 0 writes one Chrome trace with a
+    process per rank and each rank's communication on it, and writes nothing anywhere else."""
+    root_json = set(ROOT.glob("*.json"))
+    path = tmp_path / "run.json"
+    out = accelerate_launch(
+        "solutions/lab02_ddp/run.py", "--steps", 1, "--batch", 4, "--trace", path, num_processes=2, timeout=120
+    )
+    assert "replicas identical after 1 steps: True" in out.stdout, out.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"], "--trace must write PATH and nothing beside it"
+    assert set(ROOT.glob("*.json")) == root_json, "--trace must not write into the working directory"
+    chrome = json.loads(path.read_text())
+    totals = trace.check_chrome(chrome)
+    assert sorted(totals) == [0, 1], f"one process per rank: {sorted(totals)}"
+    named = {e["pid"]: e["args"]["name"] for e in chrome["traceEvents"] if e["name"] == "process_name"}
+    assert named == {0: "rank 0", 1: "rank 1"}, named
+    comm = {e["pid"] for e in chrome["traceEvents"] if e["ph"] == "X" and e.get("cat") == "comm"}
+    assert comm == {0, 1}, f"every rank's all-reduces must be on the trace; comm spans on ranks {sorted(comm)}"

@@ -15,6 +15,17 @@ from course_lib.dist.mesh import Mesh
 from course_lib.dist.runtime import backend, device, init, rank, shutdown, synchronize, world_size
 
 __all__ = [
-    "launch", "RankError", "LaunchTimeout", "Mesh", "trace", "counter",
-    "backend", "device", "init", "shutdown", "rank", "world_size", "synchronize",
+    "LaunchTimeout",
+    "Mesh",
+    "RankError",
+    "backend",
+    "counter",
+    "device",
+    "init",
+    "launch",
+    "rank",
+    "shutdown",
+    "synchronize",
+    "trace",
+    "world_size",
 ]

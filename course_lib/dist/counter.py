@@ -32,7 +32,7 @@ class CommCounter:
     def __init__(self):
         self.counts: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
 
-    def add(self, op: str, group: str, nbytes: int) -> None:
+    def add(self, op: str, group: str, nbytes: int, **info) -> None:  # info (peer, tag): not counted
         entry = self.counts[(op, group)]
         entry[0] += 1
         entry[1] += nbytes

@@ -10,9 +10,11 @@ runs. Two observers use this: :mod:`~course_lib.dist.counter` (calls and bytes) 
 Code must call collectives through the module (``dist.all_reduce(...)``), as all course code does:
 ``from torch.distributed import all_reduce`` taken before the interception started bypasses it.
 
-An observer is a callable ``observer(op, group, nbytes)`` that may return a *finisher*: a callable
-run when the operation has returned and, for an asynchronous one, again when its ``wait()``
-returns (a timeline uses it to end the span when the rank knows the data arrived).
+An observer is a callable ``observer(op, group, nbytes, **info)`` that may return a *finisher*: a
+callable run when the operation has returned and, for an asynchronous one, again when its ``wait()``
+returns (a timeline uses it to end the span when the rank knows the data arrived). ``info`` holds
+the ``peer`` (the other rank, as the call names it) and ``tag`` of a point-to-point call, from which
+a trace draws an arrow from each send to its receive; it is empty for collectives.
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ _PAYLOAD = {
     "irecv": lambda a, k: (_nbytes(_arg(a, k, 0, "tensor")), _arg(a, k, 2, "group")),
     "barrier": lambda a, k: (0, _arg(a, k, 0, "group")),
 }
+
+# point-to-point calls: (the argument naming the other rank, its position), the tag's position
+_P2P = {"send": ("dst", 1), "isend": ("dst", 1), "recv": ("src", 1), "irecv": ("src", 1)}
+_TAG_POSITION = 3
 
 _GROUP_NAMES: dict = {}
 
@@ -112,7 +118,12 @@ def _wrap(name: str, original):
 def _observed_call(name: str, original, args, kwargs):
     nbytes, group = _PAYLOAD[name](args, kwargs)
     gname = group_name(group)
-    finishers = [f for f in (observer(name, gname, nbytes) for observer in list(_OBSERVERS)) if f is not None]
+    info = {}
+    if name in _P2P:
+        info["peer"] = _arg(args, kwargs, _P2P[name][1], _P2P[name][0])
+        info["tag"] = _arg(args, kwargs, _TAG_POSITION, "tag") or 0
+    observers = list(_OBSERVERS)
+    finishers = [f for f in (observer(name, gname, nbytes, **info) for observer in observers) if f is not None]
     work = original(*args, **kwargs)
     for finish in finishers:
         finish()

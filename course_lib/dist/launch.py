@@ -22,6 +22,7 @@ How it works, and why each piece is there:
 from __future__ import annotations
 
 import faulthandler
+import functools
 import io
 import linecache
 import multiprocessing
@@ -35,14 +36,16 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import cloudpickle
 import torch
 import torch.distributed as dist
 
 from course_lib.dist import runtime
+from course_lib.dist import trace as tracing
 
 HOST = "127.0.0.1"
 DEFAULT_TIMEOUT_S = 120.0
@@ -54,9 +57,7 @@ class RankError(RuntimeError):
     def __init__(self, rank: int, rank_traceback: str, unfinished: str = ""):
         self.rank, self.rank_traceback = rank, rank_traceback
         last = rank_traceback.strip().splitlines()[-1] if rank_traceback.strip() else "?"
-        super().__init__(
-            f"rank {rank} raised {last}\n\n--- traceback of rank {rank} ---\n{rank_traceback}{unfinished}"
-        )
+        super().__init__(f"rank {rank} raised {last}\n\n--- traceback of rank {rank} ---\n{rank_traceback}{unfinished}")
 
 
 class LaunchTimeout(TimeoutError):
@@ -107,8 +108,12 @@ def _rank_main(rank: int, world_size: int, port: int, payload: bytes, q, release
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
     sys.stdout, sys.stderr = _RankOutput(q, rank, "stdout"), _RankOutput(q, rank, "stderr")
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR=HOST, MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR=HOST,
+        MASTER_PORT=str(port),
     )
     try:
         if runtime.backend() == "gloo":
@@ -119,7 +124,7 @@ def _rank_main(rank: int, world_size: int, port: int, payload: bytes, q, release
         fn, args, kwargs = cloudpickle.loads(payload)
         result = fn(*args, **kwargs)
         q.put(("ok", rank, cloudpickle.dumps(_to_cpu(result))))
-    except BaseException:  # noqa: BLE001 - everything must reach the caller, KeyboardInterrupt too
+    except BaseException:  # everything must reach the caller, KeyboardInterrupt too
         q.put(("err", rank, traceback.format_exc()))
     finally:
         # Stay connected until the caller releases every rank at once: a rank that left early would
@@ -128,7 +133,7 @@ def _rank_main(rank: int, world_size: int, port: int, payload: bytes, q, release
         release.wait(timeout + 60)
         try:
             runtime.shutdown()
-        except Exception:  # noqa: BLE001 - a broken group cannot be torn down cleanly; we exit anyway
+        except Exception:  # a broken group cannot be torn down cleanly; we exit anyway
             pass
         sys.stdout.flush()
 
@@ -153,15 +158,45 @@ def _context():
     return _CONTEXT
 
 
-def launch(fn: Callable, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S, **kwargs) -> list:
+def _run_traced(fn: Callable, profile: bool, *args, **kwargs):
+    """``fn`` under a recorded timeline (and torch.profiler when ``profile``): its result and the trace."""
+    with tracing.record() as timeline:
+        if profile:
+            with tracing.profile() as prof:
+                result = fn(*args, **kwargs)
+        else:
+            result, prof = fn(*args, **kwargs), {}
+    return result, timeline, prof.get("trace")
+
+
+def launch(
+    fn: Callable,
+    world_size: int,
+    *args,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    trace: str | os.PathLike | None = None,
+    profile: bool = False,
+    **kwargs,
+) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the list of their return values.
 
     Inside ``fn`` the default process group is initialised (gloo+cpu or nccl+cuda, see
     :mod:`course_lib.dist.runtime`), so ``torch.distributed`` can be used directly. ``timeout``
     bounds the whole run and every collective in it.
+
+    ``trace="run.json"`` records every rank's timeline while ``fn`` runs and writes them as one Chrome
+    trace-event file (:func:`course_lib.dist.trace.write`: open it in ui.perfetto.dev); with
+    ``profile=True`` torch.profiler's aten ops of each rank are merged into it, on the same clock.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if profile and trace is None:
+        raise ValueError("profile=True merges torch.profiler's events into the trace file: pass trace='path.json' too")
+    if trace is not None:
+        traced = launch(functools.partial(_run_traced, fn, profile), world_size, *args, timeout=timeout, **kwargs)
+        profiles = {t.rank: p for _, t, p in traced if p is not None}
+        tracing.write(trace, [t for _, t, _ in traced], profiles or None)
+        return [result for result, _, _ in traced]
     ctx = _context()
     store = dist.TCPStore(HOST, 0, world_size, is_master=True, wait_for_workers=False, timeout=_td(timeout))
     payload = cloudpickle.dumps((fn, args, kwargs))
@@ -187,12 +222,15 @@ def launch(fn: Callable, world_size: int, *args, timeout: float = DEFAULT_TIMEOU
                     _drain(q, results, output)  # it may have reported just before exiting
                     dead = [r for r in dead if r not in results]
                 if dead:
-                    error = (dead[0], f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} "
-                                      "without returning (killed, or the interpreter crashed; a script that "
-                                      "calls launch() must do so under `if __name__ == \"__main__\":`)\n")
+                    error = (
+                        dead[0],
+                        f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} "
+                        "without returning (killed, or the interpreter crashed; a script that "
+                        'calls launch() must do so under `if __name__ == "__main__":`)\n',
+                    )
                 elif time.monotonic() > deadline:
                     unfinished = [r for r in range(world_size) if r not in results]
-                    raise LaunchTimeout(unfinished, timeout, _where(procs, unfinished, stack_dir))
+                    raise LaunchTimeout(unfinished, timeout, _where(procs, unfinished, stack_dir)) from None
         if error is not None:
             # Give the others a moment to finish, or to reach the line they will block on, so
             # the stacks quoted below show where they wait rather than where they happened to be.
@@ -275,7 +313,7 @@ def _where(procs, ranks: list[int], stack_dir: str) -> str:
     for r in ranks:
         path = Path(stack_dir) / f"rank{r}.txt"
         dump = path.read_text() if path.exists() else ""
-        frames = [_frame(l) for l in dump.splitlines() if l.strip().startswith("File")]
+        frames = [_frame(line) for line in dump.splitlines() if line.strip().startswith("File")]
         frames = [f for f in frames if f is not None][:3]
         shown = "\n      ".join(frames) if frames else "(no stack: the rank did not answer)"
         lines.append(f"  rank {r}, innermost frame first:\n      {shown}")

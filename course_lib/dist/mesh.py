@@ -58,7 +58,7 @@ class Mesh:
             # consecutive blocks of `ep` data-parallel ranks, for every (pp, cp, tp) position
             dp_lines = self._lines("dp")
             ep = self.sizes["ep"]
-            return [line[i:i + ep] for line in dp_lines for i in range(0, len(line), ep)]
+            return [line[i : i + ep] for line in dp_lines for i in range(0, len(line), ep)]
         dim = AXES.index(axis)
         moved = self.grid.movedim(dim, -1).reshape(-1, self.grid.shape[dim])
         return [row.tolist() for row in moved]

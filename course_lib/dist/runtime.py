@@ -37,7 +37,7 @@ def local_world_size() -> int:
 
 
 def backend() -> str:
-    """"nccl" when every local rank can have a GPU of its own, "gloo" otherwise."""
+    """ "nccl" when every local rank can have a GPU of its own, "gloo" otherwise."""
     forced = os.environ.get("COURSE_BACKEND")
     if forced:
         if forced not in ("gloo", "nccl"):

@@ -32,12 +32,17 @@ def trace_ring_attention(
     head_dim: int = 64,
     layout: str = "zigzag",
     seed: int = 0,
+    trace: str | None = None,
 ) -> list[list]:
     """Run causal ring attention forward and backward on ``world_size`` ranks; return each rank's spans.
 
     Compute spans "ring.forward block" / "ring.backward block" (``meta["step"]``) come from
     ``course_lib.parallel.context.ring_attention``; every isend/irecv is a "comm" span from posting to
     its ``wait()``. Times are seconds of a clock the ranks share (``course_lib.dist.trace``): draw them
-    on one axis with ``course_lib.plots.context_parallel.ring_timeline``.
+    on one axis with ``course_lib.plots.context_parallel.ring_timeline``. ``trace="x.json"`` also writes
+    both passes of every rank as one Chrome trace (ui.perfetto.dev), an arrow from each K/V send to its
+    receive.
     """
-    return launch(_traced_rank, world_size, batch, n_heads, n_kv_heads, seq_len, head_dim, layout, seed, timeout=120)
+    return launch(
+        _traced_rank, world_size, batch, n_heads, n_kv_heads, seq_len, head_dim, layout, seed, timeout=120, trace=trace
+    )

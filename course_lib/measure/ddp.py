@@ -43,8 +43,13 @@ def trace_step(
     global_batch: int = 8,
     seq_len: int = 32,
     seed: int = 0,
+    trace: str | None = None,
+    profile: bool = False,
 ) -> dict:
     """Run one DDP training step on ``world_size`` ranks and return its per-rank timeline.
+
+    ``trace="x.json"`` also writes both steps of every rank as one Chrome trace (ui.perfetto.dev), with
+    torch.profiler's aten and autograd ops merged in when ``profile=True``.
 
     Returns ``{"spans": [[Span, ...] per rank], "origin": t0, "buckets": [[names] per bucket]}``.
     Spans: "forward", "backward", "ddp.wait", "optimizer" (kind "compute") and one "all_reduce"
@@ -54,6 +59,17 @@ def trace_step(
     of a clock shared by the ranks: subtract ``origin`` and draw every rank on one axis.
     """
 
-    results = launch(_traced_rank, world_size, config, bucket_cap_mb, global_batch, seq_len, seed, timeout=120)
+    results = launch(
+        _traced_rank,
+        world_size,
+        config,
+        bucket_cap_mb,
+        global_batch,
+        seq_len,
+        seed,
+        timeout=120,
+        trace=trace,
+        profile=profile,
+    )
     origin = min(r[1] for r in results)
     return {"spans": [r[0] for r in results], "origin": origin, "buckets": results[0][2]}

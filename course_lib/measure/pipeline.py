@@ -138,15 +138,19 @@ def _bubble_rank(name: str, m: int, v: int, t_f: float, t_b: float) -> dict:
     return {"spans": [s for s in timeline.spans if s.kind == "compute"]}
 
 
-def measured_bubble(name: str = "1f1b", p: int = 4, m: int = 8, t_f: float = 0.04, t_b: float = 0.08) -> dict:
+def measured_bubble(
+    name: str = "1f1b", p: int = 4, m: int = 8, t_f: float = 0.04, t_b: float = 0.08, trace: str | None = None
+) -> dict:
     """The idle share of one step, read from the runtime's trace, with every stage made to take
     ``t_f`` forward and ``t_b`` backward by sleeping: p ranks on fewer cores then do not compete for
-    them, and what is measured is the schedule plus the runtime's own overhead.
+    them, and what is measured is the schedule plus the runtime's own overhead. ``trace="x.json"``
+    also writes the step as a Chrome trace (ui.perfetto.dev): each rank's F/B spans and its sends
+    and receives, with an arrow from each send to its receive.
 
     Returns {"bubble": 1 - busy / (p · makespan), "spans": per-rank lists of trace Spans}.
     """
     v = 2 if name in ("interleaved", "dualpipev") else 1
-    per_rank = launch(_bubble_rank, p, name, m, v, t_f, t_b, timeout=120)
+    per_rank = launch(_bubble_rank, p, name, m, v, t_f, t_b, timeout=120, trace=trace)
     spans = [r["spans"] for r in per_rank]
     start = min(s.start for r in spans for s in r)
     end = max(s.end for r in spans for s in r)

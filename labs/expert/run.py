@@ -31,15 +31,8 @@ def dispatch_bytes(timeline) -> list[int]:
     return [sum(s.meta["bytes"] for s in a2a if d.start <= s.start <= d.end) for d in timeline.named("ep.dispatch")]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=8, help="sequences per global batch")
-    parser.add_argument("--seq-len", type=int, default=32)
-    parser.add_argument("--fp8", action="store_true", help="dispatch rows in float8 e4m3 (DeepSeek-V3 §3.3.3)")
-    args = parser.parse_args()
-
-    cdist.init()  # reads RANK/WORLD_SIZE/MASTER_* that accelerate launch set
+def run(args) -> None:
+    """Everything after init, on every rank (main records it with ``--trace``)."""
     rank, ep, dev = dist.get_rank(), dist.get_world_size(), cdist.device()
     say = print if rank == 0 else (lambda *a, **k: None)
     b, t = args.batch, args.seq_len
@@ -101,6 +94,24 @@ def main() -> None:
         say("the expert-parallel loss equals one rank's loss up to the order of fp32 sums")
     elif not args.fp8:
         say(f"the expert-parallel loss left the fp32 reordering bound ({worst:.1f}x): look at sync_gradients")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=8, help="sequences per global batch")
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--fp8", action="store_true", help="dispatch rows in float8 e4m3 (DeepSeek-V3 §3.3.3)")
+    parser.add_argument(
+        "--trace",
+        metavar="PATH",
+        help="write every rank's timeline to PATH as one Chrome trace (open it in ui.perfetto.dev)",
+    )
+    args = parser.parse_args()
+
+    cdist.init()  # reads RANK/WORLD_SIZE/MASTER_* that accelerate launch set
+    with trace.to_file(args.trace):  # None: records nothing
+        run(args)
     cdist.shutdown()
 
 

@@ -23,21 +23,14 @@ from ddp import DDP
 
 from course_lib import data
 from course_lib import dist as cdist
-from course_lib.dist import counter
+from course_lib.dist import counter, trace
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer, next_token_loss
 from course_lib.parallel.data.ddp import split_batch
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=16, help="global batch, in sequences")
-    parser.add_argument("--accumulate", type=int, default=2, help="micro-batches per step and rank")
-    parser.add_argument("--bucket-cap-mb", type=float, default=0.05)
-    args = parser.parse_args()
-
-    cdist.init()
+def run(args) -> None:
+    """Everything after init, on every rank (main records it with ``--trace``)."""
     rank, world, dev = dist.get_rank(), dist.get_world_size(), cdist.device()
     say = print if rank == 0 else (lambda *a, **k: None)
     torch.manual_seed(rank)  # deliberately different: DDP's broadcast must make them equal
@@ -78,6 +71,24 @@ def main() -> None:
     same = torch.tensor(float(torch.equal(flat, reference)), device=dev)
     dist.all_reduce(same, op=dist.ReduceOp.MIN)
     say(f"replicas identical after {args.steps} steps: {bool(same.item())}; entropy floor {lang.loss_floor(64):.4f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=16, help="global batch, in sequences")
+    parser.add_argument("--accumulate", type=int, default=2, help="micro-batches per step and rank")
+    parser.add_argument("--bucket-cap-mb", type=float, default=0.05)
+    parser.add_argument(
+        "--trace",
+        metavar="PATH",
+        help="write every rank's timeline to PATH as one Chrome trace (open it in ui.perfetto.dev)",
+    )
+    args = parser.parse_args()
+
+    cdist.init()
+    with trace.to_file(args.trace):  # None: records nothing
+        run(args)
     cdist.shutdown()
 
 

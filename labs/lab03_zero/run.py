@@ -26,7 +26,7 @@ from zero import ZeroAdamW
 from course_lib import dist as cdist
 from course_lib.cost.comm import ring_wire_bytes, zero_comm_bytes
 from course_lib.cost.memory import zero_model_state_bytes
-from course_lib.dist import counter
+from course_lib.dist import counter, trace
 from course_lib.dist.census import held_bytes
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer, next_token_loss
@@ -55,13 +55,8 @@ def reference(name, steps):
     return [p.detach().clone() for p in net.parameters()]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="tiny", choices=["tiny", "small"])
-    parser.add_argument("--steps", type=int, default=5)
-    args = parser.parse_args()
-
-    cdist.init()
+def run(args) -> None:
+    """Everything after init, on every rank (main records it with ``--trace``)."""
     n = dist.get_world_size()
     say = print if dist.get_rank() == 0 else (lambda *a, **k: None)
     ref = reference(args.model, args.steps)
@@ -89,6 +84,22 @@ def main() -> None:
             f"{stage:>5} {gap:>16.2e} {int(held):>12} {zero_model_state_bytes(psi, n, stage, 8, 4, 4):>10.0f} "
             f"{moved:>13.0f} {zero_comm_bytes(psi, n, stage, 4):>10.0f}"
         )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="tiny", choices=["tiny", "small"])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument(
+        "--trace",
+        metavar="PATH",
+        help="write every rank's timeline to PATH as one Chrome trace (open it in ui.perfetto.dev)",
+    )
+    args = parser.parse_args()
+
+    cdist.init()
+    with trace.to_file(args.trace):  # None: records nothing
+        run(args)
     cdist.shutdown()
 
 

@@ -28,7 +28,7 @@ from tensor_parallel import (
 
 from course_lib import dist as cdist
 from course_lib.data import MarkovLanguage, make_dataset
-from course_lib.dist import counter
+from course_lib.dist import counter, trace
 from course_lib.model.tokenizer import VOCAB_SIZE
 
 
@@ -57,13 +57,8 @@ class ParallelLM(nn.Module):
         return vocab_parallel_cross_entropy(self.out(h + self.mlp(h)), y, self.group)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--d-model", type=int, default=64)
-    args = parser.parse_args()
-
-    cdist.init()  # reads RANK/WORLD_SIZE/MASTER_* that accelerate launch set
+def run(args) -> None:
+    """Everything after init, on every rank (main records it with ``--trace``)."""
     rank, t, dev = dist.get_rank(), dist.get_world_size(), cdist.device()
     group = dist.group.WORLD
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -98,6 +93,22 @@ def main() -> None:
     say(f"largest loss difference TP vs dense over {args.steps} steps: {worst:.1e}")
     assert worst < 1e-4, "the TP model should follow the dense loss curve: run ./course grade lab04 for details"
     say("TP training follows the dense loss curve")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument(
+        "--trace",
+        metavar="PATH",
+        help="write every rank's timeline to PATH as one Chrome trace (open it in ui.perfetto.dev)",
+    )
+    args = parser.parse_args()
+
+    cdist.init()  # reads RANK/WORLD_SIZE/MASTER_* that accelerate launch set
+    with trace.to_file(args.trace):  # None: records nothing
+        run(args)
     cdist.shutdown()
 
 

@@ -27,6 +27,7 @@ import fp8 as lab
 
 from course_lib import dist as cdist
 from course_lib.data import MarkovLanguage
+from course_lib.dist import trace
 
 TOLERANCE = 0.25  # the grader's: the loss decrease within 25 % of bf16's (course_lib/grading/labs/lab08_fp8.py)
 
@@ -91,18 +92,8 @@ def train(args, fp8: bool, n: int, rank: int) -> list[float]:
     return losses
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--recipe", choices=("block", "tensor"), default="block")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--batch", type=int, default=256, help="examples per rank and step")
-    parser.add_argument("--lr", type=float, default=0.5)
-    parser.add_argument("--symbols", type=int, default=16)
-    parser.add_argument("--d-model", type=int, default=64)
-    parser.add_argument("--hidden", type=int, default=256)
-    args = parser.parse_args()
-
-    cdist.init()  # reads RANK/WORLD_SIZE/MASTER_* that accelerate launch set
+def run(args) -> None:
+    """Everything after init, on every rank (main records it with ``--trace``)."""
     rank, n = dist.get_rank(), dist.get_world_size()
     say = print if rank == 0 else (lambda *a, **k: None)
     say(
@@ -122,7 +113,6 @@ def main() -> None:
         runs = {"bf16": train(args, False, n, rank), "fp8": train(args, True, n, rank)}
     except NotImplementedError as err:
         say(f"training: not implemented yet ({err})")
-        cdist.shutdown()
         return
     floor = MarkovLanguage(n_symbols=args.symbols).entropy_rate()
     say(f"step   bf16 loss   fp8 loss   (entropy rate of the source: {floor:.3f} nats)")
@@ -133,6 +123,27 @@ def main() -> None:
     say(f"loss decrease over the run: bf16 {drop['bf16']:.4f}, fp8 {drop['fp8']:.4f}")
     ok = abs(drop["fp8"] - drop["bf16"]) <= TOLERANCE * abs(drop["bf16"])
     say(f"FP8 training follows bf16 (loss decrease within {TOLERANCE:.0%}): {ok}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--recipe", choices=("block", "tensor"), default="block")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--batch", type=int, default=256, help="examples per rank and step")
+    parser.add_argument("--lr", type=float, default=0.5)
+    parser.add_argument("--symbols", type=int, default=16)
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument(
+        "--trace",
+        metavar="PATH",
+        help="write every rank's timeline to PATH as one Chrome trace (open it in ui.perfetto.dev)",
+    )
+    args = parser.parse_args()
+
+    cdist.init()  # reads RANK/WORLD_SIZE/MASTER_* that accelerate launch set
+    with trace.to_file(args.trace):  # None: records nothing
+        run(args)
     cdist.shutdown()
 
 

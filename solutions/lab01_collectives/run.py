@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 
 from course_lib import dist as cdist
-from course_lib.dist import counter
+from course_lib.dist import counter, trace
 
 
 def timed(fn, repeats: int) -> float:
@@ -51,13 +51,8 @@ def ping_pong(nbytes: int, repeats: int) -> float:
     return timed(round_trip, repeats) / 2
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes-kib", type=int, nargs="+", default=[4, 64, 1024, 4096])
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
-
-    cdist.init()  # reads RANK/WORLD_SIZE/MASTER_* that accelerate launch set
+def run(args) -> None:
+    """Everything after init, on every rank (main records it with ``--trace``)."""
     rank, n, dev = dist.get_rank(), dist.get_world_size(), cdist.device()
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"{n} ranks, backend {cdist.backend()}, device {dev}")
@@ -94,6 +89,22 @@ def main() -> None:
         torch_t = timed(lambda t=t: dist.all_reduce(t), args.repeats)
         model = 2 * (n - 1) * alpha + 2 * (n - 1) / n * t.numel() * 4 / beta
         say(f"{kib:>7} KiB {ring * 1e3:>10.2f} {model * 1e3:>11.2f} {torch_t * 1e3:>11.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes-kib", type=int, nargs="+", default=[4, 64, 1024, 4096])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--trace",
+        metavar="PATH",
+        help="write every rank's timeline to PATH as one Chrome trace (open it in ui.perfetto.dev)",
+    )
+    args = parser.parse_args()
+
+    cdist.init()  # reads RANK/WORLD_SIZE/MASTER_* that accelerate launch set
+    with trace.to_file(args.trace):  # None: records nothing
+        run(args)
     cdist.shutdown()
 
 

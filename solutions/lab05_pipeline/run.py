@@ -29,7 +29,7 @@ from pipeline_parallel import build_schedule
 from course_lib import dist as cdist
 from course_lib.cost.pipeline import bubble_fraction, in_flight_microbatches, p2p_bytes_per_step
 from course_lib.data import MarkovLanguage, make_dataset
-from course_lib.dist import counter
+from course_lib.dist import counter, trace
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer, next_token_loss
 from course_lib.parallel.pipeline import runtime, stages
@@ -78,16 +78,9 @@ def on_paper(schedule, say) -> None:
     assert sim.peak_in_flight() == formula, "the activations in flight differ from the formula"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--v", type=int, default=1, help="stages (chunks) per rank: 1 is 1F1B, 2 or more interleaved")
-    parser.add_argument("--microbatches", type=int, default=8, help="m, micro-batches per step")
-    parser.add_argument("--batch", type=int, default=4, help="sequences per micro-batch")
-    parser.add_argument("--seq-len", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=10)
-    args = parser.parse_args()
-
-    cdist.init()  # reads RANK/WORLD_SIZE/MASTER_* that accelerate launch set
+def run(args) -> str | None:
+    """Everything after init, on every rank (main records it with ``--trace``). Returns why the script must
+    stop early (your schedule is missing or cannot run), None when it ran to the end."""
     rank, p, dev = dist.get_rank(), dist.get_world_size(), cdist.device()
     m, v, b, t = args.microbatches, args.v, args.batch, args.seq_len
     if v > 1 and m % p:
@@ -95,8 +88,7 @@ def main() -> None:
     try:
         schedule = build_schedule(p, m, v)
     except NotImplementedError as e:
-        cdist.shutdown()
-        raise SystemExit(f"not implemented yet: {e} (./course grade lab05 says what is missing)") from None
+        return f"not implemented yet: {e} (./course grade lab05 says what is missing)"
     say = print if rank == schedule.placement[-1] else (lambda *a, **k: None)  # the rank that sees the losses
     kind = "1F1B" if v == 1 else f"interleaved 1F1B, v={v}"
     say(f"{kind} over p={p} ranks, m={m} micro-batches of {b}x{t} tokens, backend {cdist.backend()}, device {dev}")
@@ -105,8 +97,7 @@ def main() -> None:
     try:
         on_paper(schedule, say)
     except (ValueError, Deadlock) as e:
-        cdist.shutdown()
-        raise SystemExit(f"your schedule cannot run: {e}") from None
+        return f"your schedule cannot run: {e}"
 
     # 2. For real: the pipelined stages and the whole model, from one seed, side by side.
     cfg = configs.get("tiny", n_layers=schedule.n_stages, max_seq_len=max(64, t))
@@ -163,7 +154,29 @@ def main() -> None:
     say(f"tensors of the stages' weights that differ from the whole model's after {args.steps} steps: {differ_total}")
     assert all_equal and differ_total == 0, "pipelining must not change the numbers: ./course grade lab05 says where"
     say("the pipelined model follows the whole model bit for bit")
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--v", type=int, default=1, help="stages (chunks) per rank: 1 is 1F1B, 2 or more interleaved")
+    parser.add_argument("--microbatches", type=int, default=8, help="m, micro-batches per step")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per micro-batch")
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument(
+        "--trace",
+        metavar="PATH",
+        help="write every rank's timeline to PATH as one Chrome trace (open it in ui.perfetto.dev)",
+    )
+    args = parser.parse_args()
+
+    cdist.init()  # reads RANK/WORLD_SIZE/MASTER_* that accelerate launch set
+    with trace.to_file(args.trace):  # None: records nothing
+        stop = run(args)
     cdist.shutdown()
+    if stop:
+        raise SystemExit(stop)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from course_lib.cost.comm import (
     ring_comm_bytes,
     ulysses_comm_bytes,
 )
-from course_lib.dist import counter
+from course_lib.dist import counter, trace
 from course_lib.parallel.context.ring_attention import shard, unshard
 
 
@@ -60,16 +60,8 @@ def check(name, attend, split, join, full, say) -> None:
     return forward, total
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--head-dim", type=int, default=16)
-    parser.add_argument("--batch", type=int, default=2)
-    args = parser.parse_args()
-
-    cdist.init()  # reads RANK/WORLD_SIZE/MASTER_* that accelerate launch set
+def run(args) -> None:
+    """Everything after init, on every rank (main records it with ``--trace``)."""
     rank, n, dev = dist.get_rank(), dist.get_world_size(), cdist.device()
     say = print if rank == 0 else (lambda *a, **k: None)
     b, s, h, hk, d = args.batch, args.seq_len, args.heads, args.kv_heads, args.head_dim
@@ -119,6 +111,25 @@ def main() -> None:
             f"memory per rank, s=32768, h=32, h_kv=8, d=128, N={n}, {method:>7}: saved {m['saved'] / 2**20:.0f} MiB, "
             f"scores {m['scores'] / 2**30:.1f} GiB"
         )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument(
+        "--trace",
+        metavar="PATH",
+        help="write every rank's timeline to PATH as one Chrome trace (open it in ui.perfetto.dev)",
+    )
+    args = parser.parse_args()
+
+    cdist.init()  # reads RANK/WORLD_SIZE/MASTER_* that accelerate launch set
+    with trace.to_file(args.trace):  # None: records nothing
+        run(args)
     cdist.shutdown()
 
 

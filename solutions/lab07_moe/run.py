@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mixture_of_experts as lab
 
 from course_lib import dist as cdist
-from course_lib.dist import counter
+from course_lib.dist import counter, trace
 from course_lib.model.moe import Expert, routed_experts
 
 # torch.distributed.nn.functional.all_to_all_single is marked deprecated in favour of a private module;
@@ -81,19 +81,8 @@ def train(args, coef: float, n: int, rank: int) -> list[tuple[float, float]]:
     return history
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--capacity-factor", type=float, default=1.25)
-    parser.add_argument("--tokens", type=int, default=128, help="tokens per rank")
-    parser.add_argument("--d-model", type=int, default=16)
-    parser.add_argument("--d-ff", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--aux-coef", type=float, default=0.1)
-    args = parser.parse_args()
-
-    cdist.init()  # reads RANK/WORLD_SIZE/MASTER_* that accelerate launch set
+def run(args) -> None:
+    """Everything after init, on every rank (main records it with ``--trace``)."""
     rank, n = dist.get_rank(), dist.get_world_size()
     say = print if rank == 0 else (lambda *a, **k: None)
     e, k, t, d = args.experts, args.top_k, args.tokens, args.d_model
@@ -113,7 +102,6 @@ def main() -> None:
         reference = routed_experts(x, routing, experts)  # this rank's tokens, all experts here
     except NotImplementedError as err:
         say(f"expert parallel layer: not implemented yet ({err})")
-        cdist.shutdown()
         return
     diff = ((y - reference).abs().max() / reference.abs().max()).item()
     verdict = torch.tensor([float(diff <= 1e-5)])
@@ -135,7 +123,6 @@ def main() -> None:
         runs = {coef: train(args, coef, n, rank) for coef in (0.0, args.aux_coef)}
     except NotImplementedError as err:
         say(f"training: not implemented yet ({err})")
-        cdist.shutdown()
         return
     say("step   task loss  max/mean load   |  with aux loss: task loss  max/mean load")
     for step in sorted({0, 1, 2, 5, 10, 20, args.steps - 1} & set(range(args.steps))):
@@ -148,6 +135,28 @@ def main() -> None:
         f"{last[args.aux_coef]:.2f}x with {args.aux_coef}·switch_aux_loss"
     )
     say(f"your balancing loss evened out the load: {last[args.aux_coef] < last[0.0]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--capacity-factor", type=float, default=1.25)
+    parser.add_argument("--tokens", type=int, default=128, help="tokens per rank")
+    parser.add_argument("--d-model", type=int, default=16)
+    parser.add_argument("--d-ff", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--aux-coef", type=float, default=0.1)
+    parser.add_argument(
+        "--trace",
+        metavar="PATH",
+        help="write every rank's timeline to PATH as one Chrome trace (open it in ui.perfetto.dev)",
+    )
+    args = parser.parse_args()
+
+    cdist.init()  # reads RANK/WORLD_SIZE/MASTER_* that accelerate launch set
+    with trace.to_file(args.trace):  # None: records nothing
+        run(args)
     cdist.shutdown()
 
 

@@ -321,12 +321,9 @@ def _annotate_comm_span(bucket: Bucket) -> None:
     The span itself ends when ``wait()`` returns (when the rank *uses* the result); ``meta["done"]``
     adds when the all-reduce actually completed, from a callback on its future.
     """
-    tl = trace.active()
-    if tl is None or not tl.spans or tl.spans[-1].kind != "comm":
-        return
-    span = tl.spans[-1]
-    span.meta["bucket"] = bucket.index
-    bucket.work.get_future().add_done_callback(lambda _: span.meta.__setitem__("done", trace.now()))
+    for span in trace.last_comm_spans():  # every timeline being recorded (they nest)
+        span.meta["bucket"] = bucket.index
+        bucket.work.get_future().add_done_callback(lambda _, s=span: s.meta.__setitem__("done", trace.now()))
 
 
 # ----------------------------------------------------------------------------------------------
