@@ -270,24 +270,34 @@ def to_chrome(timelines, profiles: dict | None = None, origin: float | None = No
 
 
 def _profiler_events(prof: dict, rank: int, shift_us: float) -> list[dict]:
-    """torch.profiler's events moved onto ``rank``'s process, their ts shifted onto the merged clock."""
+    """torch.profiler's events moved onto ``rank``'s process: its threads become tracks "torch: <name>"
+    numbered from 1000 (integer tids, which every viewer reads), its ts shifted onto the merged clock."""
+    events = prof.get("traceEvents", [])
+    names = {e.get("tid"): _thread_name(e) for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    tids: dict = {}
     out = []
-    for e in prof.get("traceEvents", []):
-        if e.get("ph") not in ("X", "i", "I", "M") or e.get("name") == CLOCK_MARKER:
-            continue
-        if e.get("ph") == "M" and e.get("name") != "thread_name":
-            continue  # torch's process names would rename the rank's process
-        e = {**e, "pid": rank, "tid": f"torch {e.get('tid', 0)}"}
-        if e["ph"] == "M":
-            e["args"] = {"name": f"torch: {prof_thread_name(e)}"}
-        else:
-            e["ts"] = float(e["ts"]) + shift_us
-            e["cat"] = "torch." + str(e.get("cat", "op"))
-        out.append(e)
+    for e in events:
+        if e.get("ph") not in ("X", "i", "I") or e.get("name") == CLOCK_MARKER:
+            continue  # torch's metadata would rename the rank's process; its flows link its own events
+        if e.get("tid") not in tids:
+            tids[e.get("tid")] = 1000 + len(tids)
+            label = f"torch: {names.get(e.get('tid'), e.get('tid'))}"
+            out.append(
+                {"ph": "M", "name": "thread_name", "pid": rank, "tid": tids[e.get("tid")], "args": {"name": label}}
+            )
+        out.append(
+            {
+                **e,
+                "pid": rank,
+                "tid": tids[e.get("tid")],
+                "ts": float(e["ts"]) + shift_us,
+                "cat": f"torch.{e.get('cat', 'op')}",
+            }
+        )
     return out
 
 
-def prof_thread_name(event: dict) -> str:
+def _thread_name(event: dict) -> str:
     return str(event.get("args", {}).get("name", event.get("tid")))
 
 
