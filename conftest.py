@@ -5,7 +5,7 @@ Nothing outside build/, and the lectures' exercises answered by their references
 pyproject's --basetemp puts ``tmp_path`` under build/. The temp folder of the run itself and of every
 program it starts (torchrun's logs, torch's compile cache, the ranks of ``launch``, nbval's kernels,
 which are stopped without the chance to remove their forkserver's socket folder) is
-build/tmp/pytest-PID, emptied at the end.
+build/tmp/pytest-PID, emptied at the end; so are the trace files the lectures write ($COURSE_TRACES).
 """
 
 import multiprocessing.util
@@ -24,6 +24,8 @@ def pytest_configure(config):
     tempfile.tempdir = None  # this process asks again, and gets TMP
     # nbval runs the lectures with the exercises' reference answers (course_lib/grading/exercises.py)
     os.environ["COURSE_REFERENCE_ANSWERS"] = "1"
+    # the lectures' Perfetto traces go to the run's temp folder, removed at the end: a test leaves none
+    os.environ["COURSE_TRACES"] = str(TMP / "traces")
 
 
 def pytest_unconfigure(config):
