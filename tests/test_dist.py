@@ -45,6 +45,22 @@ def test_backend_override_is_validated(monkeypatch):
         runtime.backend()
 
 
+def test_backend_follows_torch_accelerator(monkeypatch):
+    """Device-agnostic: another accelerator (here a pretend Intel XPU with 8 devices) gets its own
+    default backend and device from the same rule, with no change to the runtime (lecture 07)."""
+    monkeypatch.delenv("COURSE_BACKEND", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("xpu"))
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 8)
+    assert runtime.backend() == "xccl", "XPU's default collective backend (torch.distributed's map) is XCCL"
+    assert runtime.device() == torch.device("xpu", 3), "rank with LOCAL_RANK=3 computes on xpu:3"
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 2)
+    assert runtime.backend() == "gloo", "4 local ranks on 2 devices cannot have one each: fall back to gloo+cpu"
+    assert runtime.device() == torch.device("cpu")
+
+
 def test_closures_and_lambdas_travel_by_value():
     factor = 3
     results = launch(lambda: dist.get_rank() * factor, 2, timeout=60)

@@ -5,12 +5,17 @@ or gloo itself, so the same code runs on a 2-core laptop (CPU ranks talking over
 (NCCL), unchanged.
 
 The rule:
-    * CUDA present and at least one GPU per local rank  ->  backend "nccl", device cuda:<local rank>
-    * otherwise                                           ->  backend "gloo", device cpu
+    * an accelerator present and one device per local rank  ->  its default backend ("nccl" for
+      CUDA), device <type>:<local rank>
+    * otherwise                                               ->  backend "gloo", device cpu
 
+The accelerator is asked through ``torch.accelerator`` (device-agnostic PyTorch, lecture 07), and
+its collective backend through ``torch.distributed.get_default_backend_for_device``: CUDA gives
+NCCL, Intel's XPU gives XCCL, and an out-of-tree device that registers itself (Huawei's
+``torch_npu`` registers "npu" with the HCCL backend) is picked up the same way, with no change here.
 NCCL refuses to put two ranks on one GPU, which is why a 1-GPU machine running 4 ranks falls back
-to gloo+cpu. ``COURSE_BACKEND=gloo`` (or ``nccl``) overrides the rule, for example to run CPU
-ranks on a GPU machine.
+to gloo+cpu. ``COURSE_BACKEND=gloo`` (or the accelerator's backend, such as ``nccl``) overrides
+the rule, for example to run CPU ranks on a GPU machine.
 
 Two ways in, one initialisation path:
     * ``course_lib.dist.launch`` spawns ranks itself and calls :func:`init` with a store;
@@ -36,29 +41,45 @@ def local_world_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
 
 
+def accelerator_type() -> str | None:
+    """The accelerator's device type ("cuda", "xpu", "npu", ...), or None on a CPU-only machine."""
+    if not torch.accelerator.is_available():
+        return None
+    return torch.accelerator.current_accelerator().type
+
+
+def _accelerator_backend() -> str | None:
+    kind = accelerator_type()
+    return None if kind is None else dist.get_default_backend_for_device(kind)
+
+
 def backend() -> str:
-    """ "nccl" when every local rank can have a GPU of its own, "gloo" otherwise."""
+    """The accelerator's backend ("nccl" on CUDA) when every local rank can have a device of its own,
+    "gloo" otherwise."""
+    native = _accelerator_backend()
     forced = os.environ.get("COURSE_BACKEND")
     if forced:
-        if forced not in ("gloo", "nccl"):
-            raise ValueError(f"COURSE_BACKEND={forced!r}: use 'gloo' or 'nccl'")
+        allowed = ["gloo", native or "nccl"]
+        if forced not in allowed:
+            raise ValueError(f"COURSE_BACKEND={forced!r}: use {' or '.join(repr(a) for a in allowed)}")
         return forced
-    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size():
-        return "nccl"
+    if native is not None and torch.accelerator.device_count() >= local_world_size():
+        return native
     return "gloo"
 
 
 def device() -> torch.device:
-    """The device this rank computes on: its own GPU under NCCL, the CPU under gloo."""
-    if backend() == "nccl":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    """The device this rank computes on: its own accelerator under the accelerator's backend, the CPU
+    under gloo."""
+    if backend() != "gloo":
+        return torch.device(accelerator_type() or "cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
 
 def synchronize() -> None:
     """Wait for queued device work (a no-op on CPU) — needed before reading a wall clock."""
-    if device().type == "cuda":
-        torch.cuda.synchronize(device())
+    if device().type != "cpu":
+        torch.accelerator.synchronize(device())
 
 
 def init(
@@ -87,8 +108,8 @@ def init(
     # can be an unreachable address. Loopback is always right for single-machine runs.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     be = backend()
-    if be == "nccl":
-        torch.cuda.set_device(device())
+    if be != "gloo":
+        torch.accelerator.set_device_index(device().index)
     dist.init_process_group(
         be,
         store=store,
