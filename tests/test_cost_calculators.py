@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 from course_lib import cost
+from course_lib.cost import dollars, hardware
 from course_lib.cost.comm import ep_dispatch_bytes, padded_dispatch_bytes
 from course_lib.model import config as configs
 from course_lib.model import moe
@@ -67,3 +68,44 @@ def test_padded_dispatch_bytes_are_the_buffers_a_capacity_router_fills():
     padded, free = padded_dispatch_bytes(n_experts, cap, d, 2), ep_dispatch_bytes(kept, d, 1, 2)
     # padding costs at least cf x the T·k rows when nothing is dropped, more as the router drops tokens
     assert padded >= cf * free, (padded, free)
+
+
+# ---------------------------------------------------------------------- total cost of ownership (lecture 07)
+
+
+def test_tco_parts_by_hand():
+    assert dollars.amortised_capex_per_hour(4 * 8766.0, years=4) == 1.0, "a year is 365.25 days"
+    assert dollars.power_cost_per_hour(1000, system_power_factor=1.0, pue=1.0, usd_per_kwh=0.1) == pytest.approx(0.1)
+    h800 = hardware.get("H800")
+    t = dollars.tco(h800, 30_000)  # the defaults: 4 years, server x1.8, PUE 1.3, $0.08/kWh, 90% useful
+    power = 700 * 1.8 * 1.3 / 1000 * 0.08
+    assert t.usd_per_hour == pytest.approx(30_000 / (4 * 8766) + power, rel=1e-12)
+    assert t.usd_per_useful_hour == pytest.approx(t.usd_per_hour / 0.9, rel=1e-12)
+
+
+def test_cost_per_useful_flop_and_per_run_follow_from_the_hour():
+    h800 = hardware.get("H800")
+    peak = h800.peak_flops("bf16")
+    t = dollars.tco(h800, 30_000)
+    per_flop = dollars.usd_per_useful_flop(t, peak, mfu=0.4)
+    assert per_flop * peak * 0.4 * 3600 == pytest.approx(t.usd_per_useful_hour, rel=1e-12)
+    idle = dollars.tco(h800, 30_000, utilisation=0.45)
+    assert dollars.usd_per_useful_flop(idle, peak, 0.4) == pytest.approx(2 * per_flop, rel=1e-12), (
+        "half the useful hours, twice the cost per FLOP: idle hardware still depreciates"
+    )
+    total = 4.16e24  # DeepSeek-V3's pre-training, 6N + attention over 14.8T tokens (lecture 04)
+    run = dollars.training_run_usd(total, t, peak, mfu=0.4)
+    assert run == pytest.approx(cost.training_cost(dollars.gpu_hours(total, 1, peak, 0.4), t.usd_per_useful_hour))
+
+
+def test_tco_refuses_a_part_without_a_power_figure_and_bad_assumptions():
+    ascend = hardware.get("Ascend 910C")
+    assert ascend.power_watts.value is None
+    with pytest.raises(ValueError, match="Ascend 910C has no published power"):
+        dollars.tco(ascend, 20_000)
+    stated = dollars.tco(ascend, 20_000, power_watts=600)  # an assumption, stated by the caller
+    assert stated.power_usd_per_hour == pytest.approx(dollars.power_cost_per_hour(600))
+    with pytest.raises(ValueError, match="utilisation"):
+        dollars.tco(hardware.get("H100"), 30_000, utilisation=1.5)
+    with pytest.raises(ValueError, match="pue"):
+        dollars.power_cost_per_hour(700, pue=0.9)

@@ -3,9 +3,10 @@
 * :func:`matmul_params`, :func:`training_flops_per_token` — the "6N" rule with its attention term
   (Kaplan et al. 2020, §2.1; Chowdhery et al. 2022, PaLM, Appendix B);
 * :func:`mfu` — model FLOPs utilisation (PaLM, §4.1 and Appendix B);
-* :func:`matmul_flops`, :func:`arithmetic_intensity`, :func:`ridge_point`, :func:`roofline_flops` —
-  the roofline model (Williams, Waterman & Patterson 2009, "Roofline: an insightful visual
-  performance model for multicore architectures", CACM 52(4)).
+* :func:`matmul_flops`, :func:`matmul_bytes`, :func:`arithmetic_intensity` — the arithmetic intensity of
+  a matmul, the x-axis of the roofline model (Williams, Waterman & Patterson 2009, "Roofline: an
+  insightful visual performance model for multicore architectures", CACM 52(4)); the roofline itself,
+  on the accelerators of :mod:`course_lib.cost.hardware`, is :mod:`course_lib.cost.roofline`.
 
 A FLOP here is one floating-point addition or multiplication, so a multiply-add counts 2, as in the
 papers and in ``torch.utils.flop_counter.FlopCounterMode``. :mod:`course_lib.measure.flops` counts
@@ -15,11 +16,6 @@ and times what these predict; tests/test_flops.py sets them side by side.
 from __future__ import annotations
 
 from course_lib.model.config import ModelConfig
-
-# One accelerator's published peaks, for the ridge point: NVIDIA H100 SXM5 datasheet, dense bf16
-# tensor-core FLOP/s (the datasheet's 1979 TFLOPS is "with sparsity", twice the dense figure) and
-# HBM3 bandwidth.
-H100_SXM = {"name": "H100 SXM", "bf16_flops_per_s": 989e12, "hbm_bytes_per_s": 3.35e12}
 
 
 def matmul_params(cfg: ModelConfig) -> int:
@@ -85,32 +81,30 @@ def matmul_flops(m: int, n: int, k: int) -> int:
     return 2 * m * n * k
 
 
-def arithmetic_intensity(m: int, n: int, k: int, bytes_per_element: int) -> float:
+def matmul_bytes(m: int, n: int, k: int, bytes_per_element: float) -> float:
+    """The least bytes C[m, n] = A[m, k]·B[k, n] moves between memory and the chip: read A and B once,
+    write C once, bytes_per_element·(mk + kn + mn) (Williams et al. 2009's compulsory traffic).
+
+    The backward pass's two matmuls of a weight, dX = dY·Wᵀ and dW = Xᵀ·dY, touch the same three
+    sizes (m·n, n·k, m·k) in another order, so they move the same bytes and do the same FLOPs.
+    """
+    if min(m, n, k) <= 0 or bytes_per_element <= 0:
+        raise ValueError(f"need positive sizes and bytes_per_element, got m={m}, n={n}, k={k}, {bytes_per_element}")
+    return bytes_per_element * (m * k + k * n + m * n)
+
+
+def arithmetic_intensity(m: int, n: int, k: int, bytes_per_element: float) -> float:
     """FLOPs per byte moved for C[m, n] = A[m, k]·B[k, n]: 2mnk / (bytes·(mk + kn + mn)).
 
-    The bytes are the least any kernel must move between memory and the chip: read A and B once,
-    write C once (Williams et al. 2009 call this the operational intensity). Square n × n matrices:
-    n/3 FLOP/byte in bf16, n/6 in fp32, so big matmuls are compute-bound. A matrix-vector product
-    (m = 1, one token decoding) is ≈ 2/bytes_per_element FLOP/byte whatever its size: memory-bound.
+    The bytes are the least any kernel must move (:func:`matmul_bytes`; Williams et al. 2009 call the
+    ratio the operational intensity). Square n × n matrices: n/3 FLOP/byte in bf16, n/6 in fp32, so
+    big matmuls are compute-bound. A matrix-vector product (m = 1, one token decoding) is
+    ≈ 2/bytes_per_element FLOP/byte whatever its size: memory-bound. Where that falls on each
+    accelerator: :mod:`course_lib.cost.roofline`.
     """
-    if min(m, n, k) < 1 or bytes_per_element <= 0:
-        raise ValueError(f"need positive sizes and bytes_per_element, got m={m}, n={n}, k={k}, {bytes_per_element}")
-    return matmul_flops(m, n, k) / (bytes_per_element * (m * k + k * n + m * n))
-
-
-def ridge_point(peak_flops_per_second: float, bytes_per_second: float) -> float:
-    """FLOP/byte at which the roofline's two limits meet: peak compute / memory bandwidth.
-
-    A kernel of lower arithmetic intensity cannot reach the peak, however well written: it waits on
-    memory. For the H100 SXM (:data:`H100_SXM`): 989e12 / 3.35e12 ≈ 295 FLOP/byte.
-    """
-    return peak_flops_per_second / bytes_per_second
-
-
-def roofline_flops(intensity: float, peak_flops_per_second: float, bytes_per_second: float) -> float:
-    """Attainable FLOP/s of a kernel of the given intensity: min(peak, intensity · bandwidth)
-    (Williams et al. 2009)."""
-    return min(peak_flops_per_second, intensity * bytes_per_second)
+    if min(m, n, k) < 1:
+        raise ValueError(f"need positive sizes, got m={m}, n={n}, k={k}")
+    return matmul_flops(m, n, k) / matmul_bytes(m, n, k, bytes_per_element)
 
 
 def gpt_block_forward_flops(tokens: int, hidden: int, seq_len: int) -> float:
