@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from course_lib.cost import hardware, roofline
+from course_lib.cost.checkpoint import checkpoint_overhead, young_interval
 from course_lib.cost.memory import zero_model_state_bytes
 from course_lib.grading.adapter import load
 from course_lib.inference.paged import PagedCache
@@ -233,3 +235,75 @@ def check_paged_waste_slots(paged_waste_slots) -> str:
                 f"{got} empty slots, the pool has {want}. Each sequence takes ceil(length / block_size) whole blocks"
             )
     return "paged-waste exercise: your count equals the empty slots of PagedCache's blocks for every case"
+
+
+# ------------------------------------------------------------------ lecture 07: the roofline
+
+
+def check_compute_bound_tokens(compute_bound_tokens) -> str:
+    """The learner's smallest number of tokens m at which a [m, k]·[k, n] matmul is compute-bound on a
+    device, against the roofline of :mod:`course_lib.cost.roofline` read from the hardware table.
+
+    Cases: the course's weight shapes at 8192 wide in bf16 on several devices, fp8 on the H100, and a
+    matrix too small ever to reach the ridge (the answer is then None). Intensities are compared as
+    the roofline module computes them, so the answer must satisfy I(m) ≥ ridge > I(m − 1) exactly.
+    """
+    cases = [
+        (8192, 8192, 2, "H100", "bf16"),
+        (8192, 8192, 2, "H800", "bf16"),
+        (8192, 28672, 2, "A100", "bf16"),
+        (8192, 8192, 2, "B200", "bf16"),
+        (8192, 8192, 1, "H100", "fp8"),
+        (7168, 2048, 2, "Ascend 910B", "bf16"),
+        (256, 256, 2, "H100", "bf16"),
+    ]
+    for k, n, b, name, precision in cases:
+        roof = roofline.of(hardware.get(name), precision)
+
+        def compute_bound(m, k=k, n=n, b=b, roof=roof):
+            return roofline.gemm("w", m, n, k, b).intensity >= roof.ridge_point
+
+        got = _call(
+            "compute_bound_tokens", compute_bound_tokens, k, n, b, roof.peak_flops_per_second, roof.bytes_per_second
+        )
+        never = not compute_bound(10**12)
+        if never:
+            assert got is None, (
+                f"a {k} x {n} weight in {b}-byte elements on the {name} ({precision}): even infinitely many tokens "
+                f"stay below the ridge point ({roof.ridge_point:.0f} FLOP/byte), so the answer is None; you say {got!r}"
+            )
+            continue
+        ok = isinstance(got, int) and got >= 1 and compute_bound(got) and (got == 1 or not compute_bound(got - 1))
+        assert ok, (
+            f"a {k} x {n} weight in {b}-byte elements on the {name} ({precision}, ridge point "
+            f"{roof.ridge_point:.0f} FLOP/byte): you say {got!r} tokens. Intensity = 2mnk / (bytes·(mk + kn + mn)) "
+            "grows with m; find the first m where it reaches peak / bandwidth"
+        )
+    return "roofline exercise: your token counts are the first compute-bound ones for every device and shape"
+
+
+# ------------------------------------------------------------------ lecture 08: checkpoint interval
+
+
+def check_checkpoint_interval(checkpoint_interval) -> str:
+    """The learner's optimal seconds between checkpoints, against Young's sqrt(2·C·M).
+
+    Cases from a fast local save (C = 5 s) to a slow remote one (C = 10 min), with mean times between
+    failures from an hour to a month. The answer must also *be* the minimum of the overhead
+    C/τ + τ/(2M): 1% either side costs more. Relative tolerance 1e-9: a square root in float64 is
+    exact to ~1e-16, so only a different formula misses it.
+    """
+    for c in (5.0, 60.0, 600.0):
+        for m in (3600.0, 86400.0, 30 * 86400.0):
+            got = _call("checkpoint_interval", checkpoint_interval, c, m)
+            want = young_interval(c, m)
+            assert isinstance(got, (int, float)) and math.isclose(got, want, rel_tol=1e-9), (
+                f"C = {c:g} s to write a checkpoint, M = {m:g} s between failures: you say every {got!r} s, "
+                f"the optimum is {want:.1f} s. Lost time per second of work is C/τ (writing) + τ/(2M) (half an "
+                "interval redone per failure, on average): set its derivative to zero"
+            )
+            best = checkpoint_overhead(got, c, m)
+            assert best <= min(checkpoint_overhead(got * 0.99, c, m), checkpoint_overhead(got * 1.01, c, m))
+    return (
+        "checkpoint-interval exercise: your interval equals Young's sqrt(2CM) and minimises the overhead in every case"
+    )

@@ -60,3 +60,27 @@ def lora_trainable_params(cfg, targets, r):
 # Lecture 06, §2: a sequence of n tokens holds ceil(n / B) blocks of B slots; only its last block has empty slots.
 def paged_waste_slots(lengths, block_size):
     return sum(-(-n // block_size) * block_size - n for n in lengths)
+
+
+# Lecture 08, §4: lost time per unit of work C/τ + τ/(2M) is smallest where -C/τ² + 1/(2M) = 0 (Young 1974).
+def checkpoint_interval(checkpoint_s, mtbf_s):
+    return (2 * checkpoint_s * mtbf_s) ** 0.5
+
+
+# Lecture 07, §2: I(m) = 2mnk / (b(mk + kn + mn)) rises with m towards 2nk / (b(k + n)); solving I(m) = ridge
+# gives m = ridge·b·kn / (2nk − ridge·b(k + n)). Round up, then step to absorb the rounding of the division.
+def compute_bound_tokens(k, n, bytes_per_element, peak_flops_per_second, bytes_per_second):
+    ridge = peak_flops_per_second / bytes_per_second
+
+    def intensity(m):
+        return 2 * m * n * k / (bytes_per_element * (m * k + k * n + m * n))
+
+    denominator = 2 * n * k - ridge * bytes_per_element * (k + n)
+    if denominator <= 0:
+        return None
+    m = max(1, int(ridge * bytes_per_element * k * n / denominator))
+    while intensity(m) < ridge:
+        m += 1
+    while m > 1 and intensity(m - 1) >= ridge:
+        m -= 1
+    return m
