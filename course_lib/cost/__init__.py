@@ -2,11 +2,15 @@
 
 * :mod:`~course_lib.cost.memory`      — model states under ZeRO, optimizer state per parameter; GaLore, NF4, LoRA, QLoRA bytes
 * :mod:`~course_lib.cost.activations` — activation bytes per layer (Korthikanti et al. 2022), attention per rank
-* :mod:`~course_lib.cost.comm`        — bytes each rank moves: ring collectives, ZeRO, ring attention, Ulysses, 2D/3D TP
+* :mod:`~course_lib.cost.comm`        — bytes each rank moves: ring collectives, ZeRO, ring attention, Ulysses, 2D/3D TP;
+  the alpha-beta time of ring/tree collectives, all-to-all and p2p; TP and EP step time on a device
+* :mod:`~course_lib.cost.hardware`    — the accelerator table: compute per precision, HBM, links, power, each figure sourced
+* :mod:`~course_lib.cost.roofline`    — attainable FLOP/s against intensity; the course model's kernels placed on it
+* :mod:`~course_lib.cost.checkpoint`  — checkpoint bytes (full, incremental, quantized), Young/Daly checkpoint interval
 * :mod:`~course_lib.cost.alignment`   — padding to a multiple, GEMM tile utilisation
-* :mod:`~course_lib.cost.flops`       — FLOPs per token (6N + attention), MFU, arithmetic intensity, roofline
+* :mod:`~course_lib.cost.flops`       — FLOPs per token (6N + attention), MFU, matmul FLOPs, bytes and arithmetic intensity
 * :mod:`~course_lib.cost.pipeline`    — pipeline bubble, micro-batches in flight per schedule, P2P bytes
-* :mod:`~course_lib.cost.dollars`     — GPU-hours and what they cost
+* :mod:`~course_lib.cost.dollars`     — GPU-hours and what they cost; total cost of ownership (capex, power, utilisation)
 * :mod:`~course_lib.cost.overlap`     — when a transfer hides behind compute (ring attention's block size)
 
 Nothing here launches ranks or touches a tensor; :mod:`course_lib.measure` measures what these predict.

@@ -18,4 +18,11 @@ For lectures, tests and benchmarks only: no algorithm imports this package.
 * :mod:`~course_lib.measure.recompute`       — activation checkpointing: bytes kept and peak under none/selective/full, the compile budget knob, step time
 * :mod:`~course_lib.measure.decode`          — decode tokens/s with and without a KV cache as the context grows
 * :mod:`~course_lib.measure.quantized_kv`    — the quantized KV cache on the course model: attention error against its bound, logits, CacheGen sizes, transformers' quanto cache side by side
+* :mod:`~course_lib.measure.roofline`        — this CPU's roofline (GEMM peak, streaming bandwidth) with the course model's kernels on it
+* :mod:`~course_lib.measure.aten_ops`        — every aten operator a training step dispatches (a port's first question)
+* :mod:`~course_lib.measure.collectives`     — gloo collectives timed from bytes to tens of MiB, for the alpha-beta fit; node-limited routing
+* :mod:`~course_lib.measure.checkpoint`      — training with checkpoints: a rank killed and resumed, resharding, a killed save, sizes
+* :mod:`~course_lib.measure.stability`       — a loss spike provoked on the course model and each remedy's curve
+* :mod:`~course_lib.measure.reproducibility` — seeds, deterministic mode, reduction-order non-associativity
+* :mod:`~course_lib.measure.lineage`         — SeedPrints-style fingerprints: do two models share an initialisation?
 """

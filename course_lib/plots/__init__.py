@@ -6,4 +6,7 @@
 * :mod:`~course_lib.plots.precision`        rounding-error histograms per recipe, bytes against quality
 * :mod:`~course_lib.plots.inference`        decode speed against context, KV slots allocated and used over a stream
 * :mod:`~course_lib.plots.recompute`        predicted vs measured memory per recomputation policy, saved bytes vs budget
+* :mod:`~course_lib.plots.hardware`         the accelerator table as a scatter, rooflines with kernels placed
+* :mod:`~course_lib.plots.comm`             measured vs fitted collective times, H800 vs H100 step times
+* :mod:`~course_lib.plots.stability`        loss curves of a spike and its remedies
 """
