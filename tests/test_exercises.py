@@ -39,6 +39,10 @@ def _run_check(name: str, ns: dict, tp_counted) -> str:
         return exercises.check_lora_trainable_params(ns[name])
     if name == "paged_waste_slots":
         return exercises.check_paged_waste_slots(ns[name])
+    if name == "compute_bound_tokens":
+        return exercises.check_compute_bound_tokens(ns[name])
+    if name == "checkpoint_interval":
+        return exercises.check_checkpoint_interval(ns[name])
     # ring_comm_bytes equals what the counter measures: tests/test_ring_attention.py and lecture 03 §2.5
     sent = ring_comm_bytes(RING["B"], RING["S"], RING["HKV"], RING["D"], RING["N"])["forward_bytes"]
     return exercises.check_ring_forward_bytes(ns[name], sent, *RING.values())
@@ -52,6 +56,8 @@ EXERCISES = [
     ("04_frontier_architectures.ipynb", "kv_cache_bytes"),
     ("05_frontier_training_optimizations.ipynb", "lora_trainable_params"),
     ("06_memory_kv_cache_and_checkpointing.ipynb", "paged_waste_slots"),
+    ("07_hardware_landscape_and_domestic_accelerators.ipynb", "compute_bound_tokens"),
+    ("08_systematic_challenges.ipynb", "checkpoint_interval"),
 ]
 
 
@@ -117,5 +123,9 @@ def test_a_wrong_answer_fails_with_what_to_look_at(tp_counted):
         )
     with pytest.raises(AssertionError, match="whole blocks"):  # one block too many per sequence
         exercises.check_paged_waste_slots(lambda lengths, b: sum((n // b + 1) * b - n for n in lengths))
+    with pytest.raises(AssertionError, match="set its derivative to zero"):  # forgot the factor 2
+        exercises.check_checkpoint_interval(lambda c, m: (c * m) ** 0.5)
+    with pytest.raises(AssertionError, match="find the first m"):  # the m >> k, n limit: 2m/b = ridge
+        exercises.check_compute_bound_tokens(lambda k, n, b, peak, bw: int(peak / bw * b / 2))
     with pytest.raises(AssertionError, match="Walk the model"):
         exercises.check_tp_step_prediction(lambda n, b, s, d: (0, 0, 0), tp_counted, 64)
