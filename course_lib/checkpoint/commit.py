@@ -54,20 +54,21 @@ def step_dir(root: str | os.PathLike, step: int) -> Path:
     return Path(root) / f"step_{step:08d}"
 
 
-def _rank_world() -> tuple[int, int]:
+def rank_world() -> tuple[int, int]:
+    """(rank, world size), (0, 1) outside a process group."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
 def _barrier() -> None:
-    if _rank_world()[1] > 1:
+    if rank_world()[1] > 1:
         dist.barrier()
 
 
 def _agree(obj):
     """Rank 0's ``obj`` on every rank (collective)."""
-    if _rank_world()[1] == 1:
+    if rank_world()[1] == 1:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)
@@ -75,9 +76,9 @@ def _agree(obj):
 
 
 def _all_gather(obj) -> list:
-    if _rank_world()[1] == 1:
+    if rank_world()[1] == 1:
         return [obj]
-    out = [None] * _rank_world()[1]
+    out = [None] * rank_world()[1]
     dist.all_gather_object(out, obj)
     return out
 
@@ -101,7 +102,7 @@ def sha256(path: Path, chunk: int = 1 << 20) -> str:
 
 def _hash_share(directory: Path, names: Sequence[str]) -> dict[str, dict]:
     """{name: {"bytes", "sha256"}} for this rank's share of ``names`` (every N-th, from its rank)."""
-    rank, world = _rank_world()
+    rank, world = rank_world()
     return {n: {"bytes": (directory / n).stat().st_size, "sha256": sha256(directory / n)} for n in names[rank::world]}
 
 
@@ -134,7 +135,7 @@ def commit(
     manifest with ``info``; :func:`prune` never removes a checkpoint that a kept one refers to.
     ``keep``: prune to the newest ``keep`` checkpoints after the commit. Collective.
     """
-    rank, world = _rank_world()
+    rank, world = rank_world()
     root, final = Path(root), step_dir(root, step)
     # The ranks must agree on one temp name: rank 0 draws it (and creates the folder) and sends it.
     tmp = None
@@ -224,7 +225,7 @@ def verify(path: str | os.PathLike, share: tuple[int, int] = (0, 1)) -> dict:
 
 def verify_collective(path: str | os.PathLike) -> dict:
     """:func:`verify`, with the files split over the ranks; every rank raises the same error."""
-    rank, world = _rank_world()
+    rank, world = rank_world()
     try:
         verify(path, share=(rank, world))
         problem = None
@@ -234,6 +235,21 @@ def verify_collective(path: str | os.PathLike) -> dict:
     if problems:
         raise CorruptCheckpoint(problems[0])
     return read_manifest(path)
+
+
+def verify_per_rank(path: str | os.PathLike, kind: str) -> dict:
+    """:func:`verify_collective` for a checkpoint whose entries are per rank (incremental, quantized):
+    it must be of ``kind`` and have been saved at this run's world size. Returns the manifest."""
+    path = Path(path)
+    manifest = verify_collective(path)
+    if manifest["kind"] != kind:
+        raise ValueError(f"{path} is a {manifest['kind']} checkpoint, not a {kind} one")
+    if manifest["world_size"] != rank_world()[1]:
+        raise ValueError(
+            f"{path} holds {manifest['world_size']} ranks' {kind} shards and this run has {rank_world()[1]}: "
+            "load it at the world size that saved it, then save a full checkpoint, which DCP can reshard"
+        )
+    return manifest
 
 
 def committed(root: str | os.PathLike) -> list[Path]:

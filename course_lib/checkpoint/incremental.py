@@ -30,16 +30,11 @@ import os
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from course_lib.checkpoint import sharded
-from course_lib.checkpoint.commit import MANIFEST, CorruptCheckpoint, commit, read_manifest, verify_collective
+from course_lib.checkpoint.commit import MANIFEST, CorruptCheckpoint, commit, rank_world, read_manifest, verify_per_rank
 
 BLOCK = 1024
-
-
-def _rank_world() -> tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 def snapshot(state: dict) -> dict[str, torch.Tensor]:
@@ -71,7 +66,7 @@ def _elements(blocks: torch.Tensor, block: int, numel: int) -> torch.Tensor:
 def delta(state: dict, base: dict[str, torch.Tensor], block: int = BLOCK) -> dict:
     """This rank's entries of an incremental checkpoint: changed blocks and their elements per tensor,
     and the objects of ``state`` as they are."""
-    rank, _ = _rank_world()
+    rank, _ = rank_world()
     out = {}
     for key, value in state.items():
         if not isinstance(value, torch.Tensor):
@@ -118,15 +113,8 @@ def load(path: str | os.PathLike, state: dict) -> dict:
     """Rebuild the exact state of an incremental checkpoint in ``state``: load its base, then write
     the changed blocks over it. Needs the world size that saved it. Collective; returns the manifest."""
     path = Path(path)
-    manifest = verify_collective(path)
-    if manifest["kind"] != "incremental":
-        raise ValueError(f"{path} is a {manifest['kind']} checkpoint, not an incremental one")
-    rank, world = _rank_world()
-    if manifest["world_size"] != world:
-        raise ValueError(
-            f"{path} holds the deltas of {manifest['world_size']} ranks' shards and this run has {world}: "
-            "load it at the same world size, then save a full checkpoint, which DCP can reshard"
-        )
+    manifest = verify_per_rank(path, "incremental")
+    rank = rank_world()[0]
     base_path = path.parent / manifest["refs"][0]
     if not base_path.exists() or _manifest_digest(base_path) != manifest["info"]["base_manifest_sha256"]:
         raise CorruptCheckpoint(

@@ -28,17 +28,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from course_lib.checkpoint import sharded
-from course_lib.checkpoint.commit import commit, verify_collective
+from course_lib.checkpoint.commit import commit, rank_world, verify_per_rank
 
 BLOCK = 256
 _U = 2.0**-24  # unit roundoff of float32
-
-
-def _rank_world() -> tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 def quantize(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,7 +73,7 @@ def save(
 ) -> Path:
     """Commit ``<root>/step_XXXXXXXX`` with this rank's fp32 tensors of ``state`` quantized (keys
     ending in one of ``skip`` and non-fp32 tensors kept exact). Collective."""
-    rank, _ = _rank_world()
+    rank, _ = rank_world()
     entries = {}
     for key, value in state.items():
         if not isinstance(value, torch.Tensor):
@@ -97,15 +92,8 @@ def load(path: str | os.PathLike, state: dict) -> dict:
     """Fill ``state`` in place with the dequantized tensors (and the saved objects). Collective;
     needs the saving world size; returns the manifest."""
     path = Path(path)
-    manifest = verify_collective(path)
-    if manifest["kind"] != "quantized":
-        raise ValueError(f"{path} is a {manifest['kind']} checkpoint, not a quantized one")
-    rank, world = _rank_world()
-    if manifest["world_size"] != world:
-        raise ValueError(
-            f"{path} holds {manifest['world_size']} ranks' quantized shards and this run has {world}: "
-            "load it at the same world size"
-        )
+    manifest = verify_per_rank(path, "quantized")
+    rank = rank_world()[0]
     block, saved = manifest["info"]["block"], sharded.entries(path)
     wanted = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
     for key, value in state.items():

@@ -147,6 +147,15 @@ def train(
     return out
 
 
+def _run_until_killed(planned: str, world_size: int, *args, **kw) -> str:
+    """Run :func:`train` that is set to lose a rank; the first line of the RankError it must end with."""
+    try:
+        launch(train, world_size, *args, timeout=TIMEOUT_S, **kw)
+    except RankError as e:
+        return str(e).splitlines()[0]
+    raise AssertionError(f"{planned}, yet the run finished")
+
+
 def kill_and_resume(root: str, world_size: int = 2, steps: int = 12, save_every: int = 3, seed: int = 0, **kw) -> dict:
     """Uninterrupted run, run killed at a random step, run resumed from its last checkpoint.
 
@@ -157,21 +166,16 @@ def kill_and_resume(root: str, world_size: int = 2, steps: int = 12, save_every:
     draw = random.Random(seed)
     kill_at, victim = draw.randrange(save_every + 1, steps), draw.randrange(world_size)
     reference = launch(train, world_size, None, steps, timeout=TIMEOUT_S, **kw)
-    try:
-        launch(
-            train,
-            world_size,
-            root,
-            steps,
-            save_every=save_every,
-            kill_at=kill_at,
-            victim=victim,
-            timeout=TIMEOUT_S,
-            **kw,
-        )
-        raise AssertionError(f"rank {victim} was to kill itself at step {kill_at}, yet the run finished")
-    except RankError as e:
-        error = str(e).splitlines()[0]
+    error = _run_until_killed(
+        f"rank {victim} was to kill itself at step {kill_at}",
+        world_size,
+        root,
+        steps,
+        save_every=save_every,
+        kill_at=kill_at,
+        victim=victim,
+        **kw,
+    )
     resumed = launch(train, world_size, root, steps, save_every=save_every, load=root, timeout=TIMEOUT_S, **kw)
     return dict(
         reference=reference,
@@ -211,20 +215,15 @@ def crash_during_save(root: str, world_size: int = 2, save_every: int = 2, crash
     Returns {"error", "entries": names under root, "latest": the name latest() picks, "tmp_files":
     what the dead save left in its temp folder}.
     """
-    try:
-        launch(
-            train,
-            world_size,
-            root,
-            crash_at + 2,
-            save_every=save_every,
-            crash_in_save_at=crash_at,
-            timeout=TIMEOUT_S,
-            **kw,
-        )
-        raise AssertionError(f"rank 0 was to die in the save of step {crash_at}, yet the run finished")
-    except RankError as e:
-        error = str(e).splitlines()[0]
+    error = _run_until_killed(
+        f"rank 0 was to die in the save of step {crash_at}",
+        world_size,
+        root,
+        crash_at + 2,
+        save_every=save_every,
+        crash_in_save_at=crash_at,
+        **kw,
+    )
     entries = sorted(p.name for p in Path(root).iterdir())
     tmp = [p for p in Path(root).iterdir() if p.name.startswith(".tmp-")]
     found = latest(root)
