@@ -96,3 +96,5 @@ def test_a_missing_precision_or_part_is_a_clear_error():
         hardware.H100.peak_flops("int4")
     with pytest.raises(KeyError, match="known"):
         hardware.get("H900")
+
+    assert hardware.get(hardware.H800) is hardware.H800, "an Accelerator passes through get() unchanged"

@@ -606,17 +606,13 @@ DeepSeek's H800 cluster (NVLink 3.33 µs, InfiniBand within one leaf switch 2.8 
 leaves). Used for every accelerator: the hardware table has bandwidths only."""
 
 
-def _accelerator(accelerator):
-    return hardware.get(accelerator) if isinstance(accelerator, str) else accelerator
-
-
 def link_alpha_beta(accelerator, link: str = "scale_up", alpha: float | None = None) -> tuple[float, float]:
     """(α, β) of one GPU's ``link`` ("scale_up": NVLink and kin; "scale_out": its share of the NICs) from
     :mod:`course_lib.cost.hardware`: β = 1 / per-direction bandwidth, α from :data:`LINK_LATENCY_S`
     unless given. ``accelerator``: a name in the table or an :class:`~course_lib.cost.hardware.Accelerator`."""
     if link not in LINK_LATENCY_S:
         raise ValueError(f"link {link!r}: choose 'scale_up' or 'scale_out'")
-    acc = _accelerator(accelerator)
+    acc = hardware.get(accelerator)
     figure = acc.scale_up_bytes_per_s if link == "scale_up" else acc.scale_out_bytes_per_s
     if figure.value is None:
         raise ValueError(f"{acc.name} has no published {link} bandwidth ({figure.source}): pass one explicitly")
@@ -697,7 +693,7 @@ def step_comm_on(
     """
     if passes not in (1, 2):
         raise ValueError(f"passes={passes}: 1 (forward, inference) or 2 (forward and backward, training)")
-    acc = _accelerator(accelerator)
+    acc = hardware.get(accelerator)
     up, out = acc.scale_up_bytes_per_s.value, acc.scale_out_bytes_per_s.value
     if up is None or out is None:
         raise ValueError(f"{acc.name} lacks a published scale-up or scale-out bandwidth")

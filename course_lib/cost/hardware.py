@@ -307,8 +307,11 @@ ACCELERATORS: dict[str, Accelerator] = {
 }
 
 
-def get(name: str) -> Accelerator:
-    """The accelerator called ``name`` (as in :data:`ACCELERATORS`), with a clear error otherwise."""
+def get(name: str | Accelerator) -> Accelerator:
+    """The accelerator called ``name`` (as in :data:`ACCELERATORS`), with a clear error otherwise; an
+    :class:`Accelerator` (one of the table's, or one a learner describes) is returned as it is."""
+    if isinstance(name, Accelerator):
+        return name
     try:
         return ACCELERATORS[name]
     except KeyError:
