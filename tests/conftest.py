@@ -54,16 +54,20 @@ def accelerate_launch(free_port):
     """Run a script of solutions/ under `accelerate launch`, as a learner would, and return its output.
 
     ``accelerate_launch("solutions/lab02_ddp/run.py", "--steps", 2, num_processes=2)``; the config is
-    the course's CPU one unless another is named. A non-zero exit fails the test with the output.
+    the course's CPU one unless another is named. A non-zero exit fails the test with the output
+    (``fails=True``: a zero exit does, for a run that is meant to die).
     """
 
-    def run(script, *args, num_processes=None, config="solutions/accelerate/cpu.yaml", timeout=300):
+    def run(script, *args, num_processes=None, config="solutions/accelerate/cpu.yaml", timeout=300, fails=False):
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
         if num_processes is not None:
             cmd += ["--num_processes", str(num_processes)]
         cmd += ["--main_process_port", str(free_port), script, *map(str, args)]
         out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-        assert out.returncode == 0, f"{' '.join(cmd[2:])} failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}"
+        if fails:  # a run meant to die (lab 11 kills a rank): it must, and say so
+            assert out.returncode != 0, f"{' '.join(cmd[2:])} was meant to fail and exited 0:\n{out.stdout[-3000:]}"
+        else:
+            assert out.returncode == 0, f"{' '.join(cmd[2:])} failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}"
         return out
 
     return run

@@ -9,6 +9,10 @@ Not run here: the setup checks (they inspect a learner's file for names); lab 01
 has no ring collectives of its own (its code calls torch.distributed's); and lab 03's
 ``check_padding``: course_lib has no ``padded_size`` / ``shard_of`` functions (``_Unit`` pads
 inline), so its padding is proven by the parity checks on the "odd" model, whose sizes 2 does not divide.
+Lab 11's attacks (a SIGKILLed rank, a killed save, damaged shards, a NaN, a 2 -> 1 resume, two
+deterministic runs) attack the lab's own ``train`` loop, which the library does not have in that shape:
+its commit, verification, guard, deterministic mode and rank-order sum meet the unit checks here, and
+its own loop (course_lib.measure.checkpoint) meets the same attacks in tests/test_checkpoint_resume.py.
 """
 
 from functools import partial
@@ -25,6 +29,7 @@ from course_lib.grading.labs import lab06_sequence_parallel as lab06
 from course_lib.grading.labs import lab07_moe as lab07
 from course_lib.grading.labs import lab08_fp8 as lab08
 from course_lib.grading.labs import lab09_kv_cache as lab09
+from course_lib.grading.labs import lab11_fault_tolerance as lab11
 
 SHIMS = str(Path(__file__).resolve().parent / "lab_shims.py")
 
@@ -78,6 +83,14 @@ LIBRARY = {
         BlockPool="course_lib.inference.paged",
         PagedCache="course_lib.inference.paged",
     ),
+    "lab11": Adapter.of_library(  # the pieces; the attacks need the lab's own loop (see the module docstring)
+        commit_checkpoint="course_lib.checkpoint.sharded:save",
+        latest_checkpoint="course_lib.checkpoint.commit:latest",
+        verify_checkpoint="course_lib.checkpoint.commit:verify",
+        SpikeGuard="course_lib.optim.stability",
+        deterministic_mode=f"{SHIMS}:deterministic_mode",
+        all_reduce_in_rank_order="course_lib.dist.ordered",
+    ),
 }
 GRADERS = {
     "lab02": lab02,
@@ -88,9 +101,18 @@ GRADERS = {
     "lab07": lab07,
     "lab08": lab08,
     "lab09": lab09,
+    "lab11": lab11,
 }
-NOT_IN_LIBRARY = {lab03.check_padding}  # see the module docstring
-ROLES_NOT_IN_LIBRARY = {"lab03": {"padded_size", "shard_of"}}
+NOT_IN_LIBRARY = {  # see the module docstring
+    lab03.check_padding,
+    lab11.check_killed_save,
+    lab11.check_damaged_shards,
+    lab11.check_kill_and_resume,
+    lab11.check_resume_on_one_rank,
+    lab11.check_nan_and_spike,
+    lab11.check_two_runs,
+}
+ROLES_NOT_IN_LIBRARY = {"lab03": {"padded_size", "shard_of"}, "lab11": {"train", "capture", "restore"}}
 CHECKS = [
     (lab, task.check)
     for lab, grader in GRADERS.items()

@@ -158,3 +158,22 @@ def test_lab09_runs_under_accelerate_launch_at_2_ranks(accelerate_launch):
     assert "tokens equal decoding without a cache on every rank: True" in out.stdout, out.stdout
     waste = [line for line in out.stdout.splitlines() if line.startswith("paged cache waste")]
     assert len(waste) == 1 and float(waste[0].split(": ")[1].split("%")[0]) < 4.0, waste
+
+
+def test_lab11_survives_a_sigkill_under_accelerate_launch(accelerate_launch, tmp_path):
+    """Lab 11's entry point, as its README runs it: an uninterrupted run; a run whose rank 1 SIGKILLs
+    itself after 7 steps (accelerate reports the failure); the restart, which resumes from step 6 and
+    ends with the uninterrupted run's fingerprint (tests/test_lab11_fault_tolerance.py attacks the loop)."""
+    script, kw = "solutions/lab11_fault_tolerance/run.py", dict(num_processes=2, timeout=240)
+    whole = accelerate_launch(script, "--root", tmp_path / "a", **kw).stdout
+    assert "2 ranks, backend gloo; 12 steps, a checkpoint every 3" in whole, whole
+    killed = accelerate_launch(script, "--root", tmp_path / "b", "--kill-at", 7, fails=True, **kw)
+    assert "rank 1: SIGKILL after 7 steps" in killed.stdout, killed.stdout
+    resumed = accelerate_launch(script, "--root", tmp_path / "b", "--resume", **kw).stdout
+    assert "resumed from: step_00000006" in resumed, resumed
+    prints = [
+        line for out in (whole, resumed) for line in out.splitlines() if line.startswith("final state fingerprint")
+    ]
+    assert len(prints) == 2 and prints[0] == prints[1], f"the resumed run must end bit-identical: {prints}"
+    losses = [line for line in resumed.splitlines() if line.startswith("step ")]
+    assert losses and all(line in whole.splitlines() for line in losses), "the losses after the resume must be the same"
