@@ -83,7 +83,7 @@ def _all_gather(obj) -> list:
     return out
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     """Make a directory's entries (a new file, a rename) durable: fsync the directory itself."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -115,7 +115,7 @@ def write_manifest(directory: Path, fields: dict) -> dict:
         f.flush()
         os.fsync(f.fileno())
     os.rename(partial, directory / MANIFEST)
-    _fsync_dir(directory)
+    fsync_dir(directory)
     return manifest
 
 
@@ -161,7 +161,7 @@ def commit(
             shutil.rmtree(old)
         else:
             os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         if keep is not None:
             prune(root, keep)
     _barrier()

@@ -7,6 +7,7 @@
 * :mod:`~course_lib.dist.counter` — calls and bytes per collective and process group;
 * :mod:`~course_lib.dist.trace`   — per-rank timeline of compute and communication spans.
 * :mod:`~course_lib.dist.census`  — bytes of the storages a rank holds (parameters, gradients, state).
+* :mod:`~course_lib.dist.ordered` — an all-reduce that adds the ranks' tensors in rank order (deterministic).
 """
 
 from course_lib.dist import counter, trace
