@@ -63,6 +63,11 @@ BUGS = {  # name: ([(what the solution says, what the bug says)], checks that mu
         {lab11.check_guard, lab11.check_nan_and_spike},
         {lab11.check_commit},
     ),
+    "guard_decides_on_its_own_rank_s_loss": (  # rank 0 steps, rank 1 skips: their collectives no longer pair up
+        [("        if guard.check(mean.item()):", "        if guard.check(loss.item()):")],
+        {lab11.check_nan_and_spike},
+        {lab11.check_guard},
+    ),
     "deterministic_mode_forgets_torch": (
         [("    torch.manual_seed(seed)  # and every CUDA device's generator\n", "")],
         {lab11.check_deterministic_mode, lab11.check_two_runs},

@@ -410,7 +410,13 @@ def check_guard(impl: Adapter) -> None:
 
 def check_nan_and_spike(impl: Adapter) -> None:
     steps = 10
-    runs = _run(impl, 2, None, steps, {"nan": (1, 5), "spike": (0, 7)})
+    try:
+        runs = _run(impl, 2, None, steps, {"nan": (1, 5), "spike": (0, 7)})
+    except RankError as e:  # one rank stepped (all-gathering gradients) while the other skipped: mismatched collectives
+        raise AssertionError(
+            f"with rank 1's loss NaN at step index 5 the run broke ({str(e).splitlines()[0][:120]}): the ranks called "
+            "different collectives, as when one skips and the other steps; decide on the mean loss over the ranks"
+        ) from None
     for rank, (got, _) in enumerate(runs):
         assert got["step"] == steps, f"rank {rank} stopped at step {got['step']} of {steps}"
         bad = [n for n, p in got["params"].items() if not torch.isfinite(p).all()]
