@@ -1,0 +1,330 @@
+"""The auto-planner: enumerate the layouts of a training job, predict each one's memory and step time
+from the course's models, refuse what cannot run (saying why), rank the rest and explain the pick.
+
+A layout splits N devices as dp × pp × cp × tp (the course mesh's order: tp innermost, so its
+ranks share a node first; :mod:`course_lib.dist.mesh`), carves ep expert-parallel ranks out of dp,
+and chooses a micro-batch b (so m = G / (dp·b) micro-batches per step), a ZeRO stage over dp and
+activation recomputation ("none" or "full"). Nothing below prefers one axis to another: each
+prediction is a sum of terms from the formulas of :mod:`course_lib.cost`, each with its source.
+
+**Memory per device** (the busiest pipeline stage: stage 0 holds the most micro-batches in flight):
+
+    model states   :func:`~course_lib.cost.memory.zero_model_state_bytes` of the stage's parameters
+                   (dense part / tp sharded over dp, expert part / ep sharded over dp/ep; ZeRO §5)
+    activations    in-flight micro-batches (1F1B: min(pp, m), Narayanan et al. 2021 §2.2.1) ×
+                   layers of the stage × :func:`~course_lib.cost.activations.korthikanti_bytes_per_layer`
+                   (with sequence parallelism whenever tp > 1, on s/cp tokens); under full
+                   recomputation only each layer's 16-bit input, 2·s·b·h/(tp·cp), plus one layer's full set
+                   (Korthikanti et al. 2022, §5)
+    logits         b·(s/cp)·V/tp fp32 values on the last stage (the loss reads them in fp32)
+
+compared with ``memory_fraction`` of the device's HBM (the allocator, NCCL's buffers and the CUDA
+context take the rest).
+
+**Step time** (seconds, nothing overlapped unless said: an upper bound on each term):
+
+    compute        training FLOPs of the global batch (:func:`~course_lib.cost.flops.training_flops_per_token`,
+                   ×4/3 under full recomputation) / (N · peak · mfu), × the busiest stage's share over
+                   the average (:func:`stage_imbalance`), × (m + pp − 1)/m for the pipeline's bubble
+                   (Narayanan et al. 2021 §2.2.1)
+    tp             4 collectives of b·(s/cp)·h 16-bit values per layer per micro-batch (Megatron §3:
+                   2 forward, 2 backward; 6 under full recomputation), on the tp group's link
+    pp             2 p2p messages of b·(s/cp)·h per micro-batch on the critical path of m + pp − 1 slots
+    cp             ring attention: cp − 1 exchanges of a K/V block per layer forward, twice backward
+    ep             4 all-to-alls (dispatch, combine; forward, backward) of b·(s/cp)·k·h per MoE layer
+    dp             the gradient reduction of the stage's parameters (all-reduce; 1.5× under ZeRO-3 for
+                   the parameter gathers), less what hides behind the backward pass: buckets are reduced
+                   while later layers still compute (PyTorch DDP, Li et al. VLDB 2020 §3.2.3), so only
+                   max(0, t_dp − dp_overlap · t_backward) shows, t_backward = 2/3 of the compute
+
+A group's link is NVLink-class ("scale_up") when its ranks fit in one node, the network
+("scale_out") otherwise; α and β come from :func:`~course_lib.cost.comm.link_alpha_beta`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from course_lib.cost import hardware
+from course_lib.cost.activations import korthikanti_bytes_per_layer
+from course_lib.cost.comm import collective_seconds, link_alpha_beta
+from course_lib.cost.flops import training_flops_per_token
+from course_lib.cost.memory import zero_model_state_bytes
+from course_lib.cost.pipeline import in_flight_microbatches
+from course_lib.model.config import ModelConfig
+
+RECOMPUTE = ("none", "full")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """N devices of one kind, ``devices_per_node`` to a node. ``mfu``: the fraction of peak the GEMMs
+    reach (Llama 3 reports 38–43% in bf16 at 16k GPUs, §3.3.2 Table 4); ``links``: optional
+    {"scale_up" | "scale_out": (α, β)} measured figures instead of the table's."""
+
+    accelerator: str | hardware.Accelerator
+    n_devices: int
+    devices_per_node: int = 8
+    mfu: float = 0.4
+    memory_fraction: float = 0.9
+    precision: str = "bf16"
+    links: dict = field(default_factory=dict)
+    memory_bytes: float | None = None  # instead of the table's HBM (a CPU rank's share of RAM, say)
+    peak_flops: float | None = None  # instead of the table's peak (a measured figure)
+
+    def __post_init__(self):
+        if self.n_devices < 1 or self.devices_per_node < 1:
+            raise ValueError(f"a cluster needs n_devices >= 1 and devices_per_node >= 1, got {self}")
+        if not 0 < self.mfu <= 1 or not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"mfu={self.mfu} and memory_fraction={self.memory_fraction} must lie in (0, 1]")
+
+    @property
+    def device(self) -> hardware.Accelerator:
+        return hardware.get(self.accelerator)
+
+    def usable_bytes(self) -> float:
+        total = self.memory_bytes if self.memory_bytes is not None else self.device.hbm_bytes.value
+        return self.memory_fraction * total
+
+    def flops(self) -> float:
+        return self.peak_flops if self.peak_flops is not None else self.device.peak_flops(self.precision)
+
+    def link(self, span: int) -> tuple[str, tuple[float, float]]:
+        """The link a group of ``span`` consecutive ranks talks over, and its (α, β)."""
+        name = "scale_up" if span <= self.devices_per_node else "scale_out"
+        return name, self.links.get(name) or link_alpha_beta(self.accelerator, name)
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    micro_batch: int = 1
+    zero: int = 1
+    recompute: str = "none"
+
+    def __str__(self) -> str:
+        extra = "".join(f" {k}={v}" for k, v in (("cp", self.cp), ("ep", self.ep)) if v > 1)
+        return (
+            f"dp={self.dp} tp={self.tp} pp={self.pp}{extra} b={self.micro_batch} ZeRO-{self.zero} "
+            f"recompute={self.recompute}"
+        )
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    memory: dict[str, float]  # bytes per device, by term
+    seconds: dict[str, float]  # step time, by term
+    usable_bytes: float
+    links: dict[str, str]  # axis -> "scale_up" | "scale_out"
+
+    @property
+    def memory_bytes(self) -> float:
+        return sum(self.memory.values())
+
+    @property
+    def step_seconds(self) -> float:
+        return sum(self.seconds.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_bytes <= self.usable_bytes
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def reasons(cfg: ModelConfig, cluster: Cluster, layout: Layout, global_batch: int, seq_len: int) -> list[str]:
+    """Why ``layout`` cannot run this job ([] when it can), each naming the constraint and the fix.
+    Memory is judged by :func:`predict`."""
+    out, ly = [], layout
+    world = ly.dp * ly.tp * ly.pp * ly.cp
+    if world != cluster.n_devices:
+        out.append(f"dp·tp·pp·cp = {world} is not the cluster's {cluster.n_devices} devices")
+    if cfg.n_heads % ly.tp or cfg.n_kv_heads % ly.tp:
+        out.append(
+            f"tensor parallel size {ly.tp} does not divide {cfg.n_heads} attention heads and {cfg.n_kv_heads} "
+            "key/value heads: choose tp among their common divisors"
+        )
+    if ly.pp > cfg.n_layers:
+        out.append(f"{ly.pp} pipeline stages need at least {ly.pp} blocks; the model has {cfg.n_layers}")
+    if seq_len % (2 * ly.cp) and ly.cp > 1:
+        out.append(f"context parallel size {ly.cp} needs the sequence ({seq_len}) in 2·cp equal chunks (load balance)")
+    if ly.ep > 1 and (not cfg.is_moe or cfg.n_routed_experts % ly.ep):
+        out.append(
+            f"expert parallel size {ly.ep} needs a mixture of experts whose {cfg.n_routed_experts} experts it divides"
+        )
+    if ly.dp % ly.ep:
+        out.append(f"ep={ly.ep} ranks are carved out of dp={ly.dp}: choose ep dividing dp")
+    if global_batch % (ly.dp * ly.micro_batch):
+        out.append(
+            f"the global batch of {global_batch} sequences does not split into dp={ly.dp} replicas of micro-batches "
+            f"of {ly.micro_batch}: choose dp·b dividing {global_batch}"
+        )
+    if ly.zero not in (0, 1, 2, 3) or ly.recompute not in RECOMPUTE:
+        out.append(f"ZeRO stage {ly.zero} / recompute {ly.recompute!r}: stages are 0-3, recompute one of {RECOMPUTE}")
+    return out
+
+
+def _stage_params(cfg: ModelConfig, pp: int, tp: int, ep: int) -> tuple[float, float, int]:
+    """(dense parameters per device, expert parameters per device, layers) on the busiest stage."""
+    per = math.ceil(cfg.n_layers / pp)
+    best = (0.0, 0.0, 0)
+    for s in range(pp):
+        layers = range(s * cfg.n_layers // pp, (s + 1) * cfg.n_layers // pp)
+        dense = expert = 0.0
+        for i in layers:
+            total = cfg.layer_params(i)
+            routed = 3 * cfg.d_model * cfg.moe_d_ff * cfg.n_routed_experts if cfg.is_moe_layer(i) else 0
+            dense, expert = dense + (total - routed) / tp, expert + routed / ep
+        if s == 0 and not cfg.tie_embeddings:
+            dense += cfg.vocab_size * cfg.d_model / tp
+        if s == pp - 1:
+            dense += (cfg.vocab_size * cfg.d_model + cfg.d_model) / tp
+        if dense + expert > sum(best[:2]):
+            best = (dense, expert, max(len(layers), 1))
+    return best[0], best[1], min(best[2], per)
+
+
+def stage_imbalance(cfg: ModelConfig, pp: int) -> float:
+    """The busiest stage's matmul parameters over the average stage's (1.0: perfectly balanced).
+
+    A pipeline runs at the pace of its slowest stage. Blocks are shared out evenly, so the output
+    layer (V·d, a sizeable block's worth for a large vocabulary) makes the last stage the slowest;
+    Llama 3 moved a block off its first and last stages for this reason (Dubey et al. 2024, §3.3.2).
+    """
+    stages = []
+    for s in range(pp):
+        work = sum(
+            cfg.layer_params(i, active=True) for i in range(s * cfg.n_layers // pp, (s + 1) * cfg.n_layers // pp)
+        )
+        stages.append(work + (cfg.vocab_size * cfg.d_model if s == pp - 1 else 0))
+    return max(stages) * pp / sum(stages)
+
+
+def predict(
+    cfg: ModelConfig,
+    cluster: Cluster,
+    layout: Layout,
+    global_batch: int,
+    seq_len: int,
+    dp_overlap: float = 1.0,
+    flash: bool = True,
+) -> Prediction:
+    """Memory per device and step time of ``layout`` (see the module docstring for every term).
+    ``flash``: attention keeps no s×s matrix for backward (FlashAttention; the course's SDPA on CPU too)."""
+    problems = reasons(cfg, cluster, layout, global_batch, seq_len)
+    if problems:
+        raise ValueError(f"layout {layout} cannot run: " + "; ".join(problems))
+    ly, h, bpe = layout, cfg.d_model, 2  # 16-bit activations and gradients
+    b, s = ly.micro_batch, seq_len // ly.cp
+    m = global_batch // (ly.dp * b)
+    dense, expert, layers = _stage_params(cfg, ly.pp, ly.tp, ly.ep)
+    memory = {
+        "model states": zero_model_state_bytes(max(1, round(dense)), ly.dp, ly.zero)
+        + (zero_model_state_bytes(max(1, round(expert)), ly.dp // ly.ep, ly.zero) if expert else 0.0),
+    }
+    in_flight = in_flight_microbatches("1f1b", ly.pp, 0, m)
+    # FlashAttention (Dao et al. 2022) never stores the a·s×s attention matrix: Korthikanti's 5as/h term is 0
+    heads = 0 if flash else cfg.n_heads
+    full_layer = korthikanti_bytes_per_layer(s, b, h, heads, ly.tp, sequence_parallel=ly.tp > 1)
+    if ly.recompute == "full":
+        memory["activations"] = in_flight * layers * 2 * s * b * h / ly.tp + full_layer
+    else:
+        memory["activations"] = in_flight * layers * full_layer
+    memory["logits"] = 4.0 * b * s * cfg.vocab_size / ly.tp
+    links = {}
+
+    def on(axis: str, span: int) -> tuple[float, float]:
+        links[axis], ab = cluster.link(span)
+        return ab
+
+    flops = training_flops_per_token(cfg, seq_len) * global_batch * seq_len * (4 / 3 if ly.recompute == "full" else 1)
+    # each device's share, no bubble, at the pace of the busiest stage (the output layer's matmul sits on the last)
+    busy = flops / (cluster.n_devices * cluster.flops() * cluster.mfu) * stage_imbalance(cfg, ly.pp)
+    seconds = {"compute": busy * (m + ly.pp - 1) / m}
+    act = b * s * h * bpe  # one micro-batch's hidden state on this rank (replicated over tp)
+    if ly.tp > 1:
+        per_layer = (6 if ly.recompute == "full" else 4) * collective_seconds(
+            "ring_all_reduce", act, ly.tp, *on("tp", ly.tp)
+        )
+        seconds["tp"] = m * layers * per_layer
+    if ly.pp > 1:
+        seconds["pp"] = 2 * (m + ly.pp - 1) * collective_seconds("p2p", act, 2, *on("pp", ly.tp * ly.cp * ly.pp))
+    if ly.cp > 1:
+        kv = 2 * b * s * cfg.n_kv_heads * cfg.head_dim * bpe / ly.tp
+        seconds["cp"] = 3 * m * layers * (ly.cp - 1) * collective_seconds("p2p", kv, 2, *on("cp", ly.tp * ly.cp))
+    if ly.ep > 1:
+        moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers)) / ly.pp
+        a2a = b * s * cfg.n_activated_experts * h * bpe
+        span = ly.ep * ly.tp * ly.cp * ly.pp
+        seconds["ep"] = 4 * m * moe_layers * collective_seconds("all_to_all", a2a, ly.ep, *on("ep", span))
+    if ly.dp > 1:
+        grads = (dense + expert) * bpe
+        t = collective_seconds("ring_all_reduce", grads, ly.dp, *on("dp", cluster.n_devices))
+        # buckets reduce while the backward pass (2/3 of the FLOPs) goes on: only what outlasts it shows
+        seconds["dp"] = max(0.0, (1.5 if ly.zero == 3 else 1.0) * t - dp_overlap * busy * 2 / 3)
+    return Prediction(layout, memory, seconds, cluster.usable_bytes(), links)
+
+
+def layouts(
+    cfg: ModelConfig,
+    cluster: Cluster,
+    global_batch: int,
+    seq_len: int,
+    zero=(1,),
+    recompute=RECOMPUTE,
+    micro_batches=(1, 2, 4, 8),
+):
+    """Every layout :func:`reasons` accepts (memory not yet judged), in a fixed order."""
+    n = cluster.n_devices
+    out = []
+    for tp, pp, cp in itertools.product(_divisors(n), repeat=3):
+        if n % (tp * pp * cp):
+            continue
+        dp = n // (tp * pp * cp)
+        for ep in _divisors(dp) if cfg.is_moe else [1]:
+            for b in micro_batches:
+                for z, r in itertools.product(zero, recompute):
+                    ly = Layout(dp, tp, pp, cp, ep, b, z, r)
+                    if not reasons(cfg, cluster, ly, global_batch, seq_len):
+                        out.append(ly)
+    return out
+
+
+def plan(cfg: ModelConfig, cluster: Cluster, global_batch: int, seq_len: int, **kw) -> list[Prediction]:
+    """Predictions of every valid layout, those that fit in memory first, each group fastest first."""
+    dp_overlap, flash = kw.pop("dp_overlap", 1.0), kw.pop("flash", True)
+    valid = layouts(cfg, cluster, global_batch, seq_len, **kw)
+    predictions = [predict(cfg, cluster, ly, global_batch, seq_len, dp_overlap, flash) for ly in valid]
+    return sorted(predictions, key=lambda p: (not p.fits, p.step_seconds))
+
+
+def explain(prediction: Prediction, runner_up: Prediction | None = None) -> str:
+    """A few lines: the layout, its memory and time by term, its links, and what beat the runner-up."""
+    p = prediction
+    gib = lambda x: f"{x / 2**30:.1f} GiB"
+    lines = [
+        f"{p.layout}: {p.step_seconds:.3f} s per step, {gib(p.memory_bytes)} of {gib(p.usable_bytes)} per device",
+        "  time:   " + ", ".join(f"{k} {v:.3f} s" for k, v in sorted(p.seconds.items(), key=lambda kv: -kv[1])),
+        "  memory: " + ", ".join(f"{k} {gib(v)}" for k, v in p.memory.items()),
+    ]
+    if p.links:
+        lines.append("  links:  " + ", ".join(f"{a} on {link}" for a, link in p.links.items()))
+    if runner_up is not None:
+        diffs = {
+            k: runner_up.seconds.get(k, 0.0) - p.seconds.get(k, 0.0) for k in set(p.seconds) | set(runner_up.seconds)
+        }
+        top = max(diffs, key=lambda k: abs(diffs[k]))
+        lines.append(
+            f"  beats {runner_up.layout} ({runner_up.step_seconds:.3f} s) mostly on {top} "
+            f"({'saves' if diffs[top] > 0 else 'costs'} {abs(diffs[top]):.3f} s)"
+        )
+    return "\n".join(lines)

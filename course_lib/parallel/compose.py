@@ -1,0 +1,203 @@
+"""One mesh, three parallelisms: data × tensor × pipeline parallel training of the course model.
+
+Each piece is one course_lib already has; composing them is a matter of giving each its own
+process group from one :class:`~course_lib.dist.Mesh` (``dp`` outermost, then ``pp``, ``tp``
+innermost, so that TP's ranks are neighbours — one NVLink domain on a real machine):
+
+* **pipeline** — the dense model is cut into ``pp`` stages (:func:`course_lib.parallel.pipeline.stages.split`),
+  and rank (d, s, t) keeps stage s. A step runs a schedule's action list
+  (:mod:`course_lib.parallel.pipeline.schedules`, 1F1B by default) over the ``pp`` group;
+* **tensor** — inside its stage, each block becomes a :class:`~course_lib.parallel.tensor.model.TPBlock`
+  over the ``tp`` group; stage 0's embedding is vocabulary-parallel, the last stage's output layer is
+  column-parallel and its loss the vocabulary-parallel cross-entropy. The TP ranks of one stage run
+  the same actions in the same order, so their all-reduces pair up;
+* **data** — each ``dp`` replica gets its 1/dp of the global batch and cuts it into ``m``
+  micro-batches; after the pipeline's backward, every gradient is averaged over the ``dp`` group.
+
+Numerically the composed step computes what one process computes on the whole batch: the same
+sums, in other orders (TP adds partial products over its ranks, the pipeline adds the micro-batches'
+gradients one after another, DP adds the replicas'). Narayanan et al. 2021 (*Efficient Large-Scale
+Language Model Training on GPU Clusters Using Megatron-LM*, §2.3, §3) compose the three this way and
+study which sizes to choose; :mod:`course_lib.cost.planner` predicts it from the course's models.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from course_lib.dist.mesh import Mesh
+from course_lib.model.transformer import Transformer
+from course_lib.parallel.pipeline import runtime, schedules
+from course_lib.parallel.pipeline.stages import Stage, split
+from course_lib.parallel.tensor.layers import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
+from course_lib.parallel.tensor.model import TPBlock
+
+
+class TPStage(nn.Module):
+    """A pipeline :class:`~course_lib.parallel.pipeline.stages.Stage` with its layers split over a TP group.
+
+    Input: tokens on the first stage, hidden states [b, s, d] (replicated over the TP group)
+    elsewhere. Output: hidden states, or on the last stage this rank's vocabulary slice of the
+    logits [b, s, V/t].
+    """
+
+    def __init__(self, stage: Stage, group):
+        super().__init__()
+        self.index, self.first, self.last, self.blocks = stage.index, stage.first, stage.last, stage.blocks
+        self.group = group
+        self.tok_embeddings = VocabParallelEmbedding.from_dense(stage.tok_embeddings, group) if self.first else None
+        self.layers = nn.ModuleList(TPBlock.from_dense(b, group) for b in stage.layers)
+        self.norm = copy.deepcopy(stage.norm) if self.last else None
+        self.output = ColumnParallelLinear.from_dense(stage.output, group) if self.last else None
+        self.register_buffer("rope_cos", stage.rope_cos.clone(), persistent=False)
+        self.register_buffer("rope_sin", stage.rope_sin.clone(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(x) if self.first else x
+        t = h.shape[1]
+        for layer in self.layers:
+            h = layer(h, self.rope_cos[:t], self.rope_sin[:t])
+        return self.output(self.norm(h)) if self.last else h
+
+    def dense_names(self) -> dict[str, str]:
+        """This stage's parameter names -> the dense model's (block i of the stage is block blocks[i])."""
+        out = {}
+        for name, _ in self.named_parameters():
+            if name.startswith("layers."):
+                _, i, rest = name.split(".", 2)
+                out[name] = f"layers.{self.blocks[int(i)]}.{rest}"
+            else:
+                out[name] = name
+        return out
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes of the mesh and of the pipeline's step: dp · tp · pp ranks, m micro-batches per replica."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    m: int = 1
+    schedule: str = "1f1b"
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def __str__(self) -> str:
+        return f"dp={self.dp} tp={self.tp} pp={self.pp} m={self.m}"
+
+
+def check_layout(layout: Layout, cfg, global_batch: int) -> None:
+    """Refuse a layout the model or the batch cannot be split by, saying which constraint and the fix."""
+    problems = []
+    if cfg.n_heads % layout.tp or cfg.n_kv_heads % layout.tp:
+        problems.append(
+            f"tensor parallel size {layout.tp} does not divide {cfg.n_heads} attention heads and "
+            f"{cfg.n_kv_heads} key/value heads: choose tp among the common divisors"
+        )
+    if cfg.vocab_size % layout.tp or cfg.d_ff % layout.tp:
+        problems.append(f"tp={layout.tp} does not divide the vocabulary ({cfg.vocab_size}) and d_ff ({cfg.d_ff})")
+    if layout.pp > cfg.n_layers:
+        problems.append(f"{layout.pp} pipeline stages need at least {layout.pp} blocks; the model has {cfg.n_layers}")
+    if global_batch % (layout.dp * layout.m):
+        problems.append(
+            f"the global batch {global_batch} does not split into dp={layout.dp} replicas × m={layout.m} "
+            f"micro-batches: choose dp·m dividing {global_batch}"
+        )
+    if cfg.tie_embeddings and layout.pp > 1:
+        problems.append("tied embeddings across pipeline stages are not composed here: untie them or use pp=1")
+    if problems:
+        raise ValueError(f"layout {layout} cannot run this model: " + "; ".join(problems))
+
+
+class Composed:
+    """This rank's part of a DP × TP × PP model, built from a dense model of the same seed.
+
+    Call on every rank of a world of ``layout.world_size``; every rank passes the same dense
+    ``model`` (it keeps only its stage, split over its TP group).
+    """
+
+    def __init__(self, model: Transformer, layout: Layout, global_batch: int):
+        check_layout(layout, model.cfg, global_batch)
+        self.layout, self.cfg, self.global_batch = layout, model.cfg, global_batch
+        self.mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp)
+        self.schedule = schedules.build(layout.schedule, layout.pp, layout.m)
+        stage = split(model, layout.pp)[self.mesh.rank("pp")]
+        self.stage = TPStage(stage, self.mesh.group("tp"))
+
+    def parameters(self):
+        return self.stage.parameters()
+
+    def _my_rows(self, batch: torch.Tensor) -> torch.Tensor:
+        per = self.global_batch // self.layout.dp
+        d = self.mesh.rank("dp")
+        return batch[d * per : (d + 1) * per]
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float | None:
+        """Forward and backward of one global batch [G, s]; gradients averaged over dp in ``.grad``.
+
+        Returns the mean loss of the whole batch on the ranks of the last stage (equal on its TP
+        ranks; averaged over dp), None elsewhere.
+        """
+        if tokens.shape[0] != self.global_batch:
+            raise ValueError(f"step expects the global batch of {self.global_batch} rows, got {tokens.shape[0]}")
+        x, y = self._my_rows(tokens), self._my_rows(targets)
+        m = self.layout.m
+        xs, ys = list(x.chunk(m)), list(y.chunk(m))
+        tp = self.mesh.group("tp")
+        result = runtime.run_step(
+            self.schedule,
+            {self.mesh.rank("pp"): self.stage},
+            xs,
+            ys,
+            lambda logits, t: vocab_parallel_cross_entropy(logits, t, tp),
+            (x.shape[0] // m, x.shape[1], self.cfg.d_model),
+            group=self.mesh.group("pp"),
+        )
+        self._average_over_dp()
+        if not self.stage.last:
+            return None
+        loss = torch.tensor(sum(result.losses.values()) / m)
+        dist.all_reduce(loss, group=self.mesh.group("dp"))
+        return loss.item() / self.layout.dp
+
+    def _average_over_dp(self) -> None:
+        if self.layout.dp == 1:
+            return
+        grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])  # one all-reduce per step: a single bucket
+        dist.all_reduce(flat, group=self.mesh.group("dp"))
+        flat /= self.layout.dp
+        for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(piece.view_as(g))
+
+    def dense_state(self) -> dict[str, torch.Tensor]:
+        """The whole model's parameters, gathered on every rank (TP shards joined, stages collected).
+
+        Collective over the world. For checks against single-process training.
+        """
+        tp = self.mesh.group("tp")
+        mine = {}
+        names = self.stage.dense_names()
+        for name, p in self.stage.named_parameters():
+            dim = getattr(p, "partition_dim", None)
+            if dim is None or self.layout.tp == 1:
+                full = p.detach().clone()
+            else:
+                parts = [torch.empty_like(p) for _ in range(self.layout.tp)]
+                dist.all_gather(parts, p.detach().contiguous(), group=tp)
+                full = torch.cat(parts, dim=dim)
+            mine[names[name]] = full
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        out = {}
+        for part in gathered:
+            out.update(part)
+        return out
