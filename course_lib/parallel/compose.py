@@ -23,7 +23,6 @@ study which sizes to choose; :mod:`course_lib.cost.planner` predicts it from the
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -38,42 +37,29 @@ from course_lib.parallel.tensor.layers import ColumnParallelLinear, VocabParalle
 from course_lib.parallel.tensor.model import TPBlock
 
 
-class TPStage(nn.Module):
-    """A pipeline :class:`~course_lib.parallel.pipeline.stages.Stage` with its layers split over a TP group.
+def tensor_parallel_stage(stage: Stage, group) -> Stage:
+    """``stage`` (a :class:`~course_lib.parallel.pipeline.stages.Stage`) with its layers split over a TP
+    group, in place: blocks become :class:`~course_lib.parallel.tensor.model.TPBlock`, the first stage's
+    embedding vocabulary-parallel, the last stage's output layer column-parallel (logits [b, s, V/t]).
+    ``Stage.forward`` runs it unchanged: hidden states between stages stay replicated over the group."""
+    if stage.first:
+        stage.tok_embeddings = VocabParallelEmbedding.from_dense(stage.tok_embeddings, group)
+    stage.layers = nn.ModuleList(TPBlock.from_dense(b, group) for b in stage.layers)
+    if stage.last:
+        stage.output = ColumnParallelLinear.from_dense(stage.output, group)
+    return stage
 
-    Input: tokens on the first stage, hidden states [b, s, d] (replicated over the TP group)
-    elsewhere. Output: hidden states, or on the last stage this rank's vocabulary slice of the
-    logits [b, s, V/t].
-    """
 
-    def __init__(self, stage: Stage, group):
-        super().__init__()
-        self.index, self.first, self.last, self.blocks = stage.index, stage.first, stage.last, stage.blocks
-        self.group = group
-        self.tok_embeddings = VocabParallelEmbedding.from_dense(stage.tok_embeddings, group) if self.first else None
-        self.layers = nn.ModuleList(TPBlock.from_dense(b, group) for b in stage.layers)
-        self.norm = copy.deepcopy(stage.norm) if self.last else None
-        self.output = ColumnParallelLinear.from_dense(stage.output, group) if self.last else None
-        self.register_buffer("rope_cos", stage.rope_cos.clone(), persistent=False)
-        self.register_buffer("rope_sin", stage.rope_sin.clone(), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(x) if self.first else x
-        t = h.shape[1]
-        for layer in self.layers:
-            h = layer(h, self.rope_cos[:t], self.rope_sin[:t])
-        return self.output(self.norm(h)) if self.last else h
-
-    def dense_names(self) -> dict[str, str]:
-        """This stage's parameter names -> the dense model's (block i of the stage is block blocks[i])."""
-        out = {}
-        for name, _ in self.named_parameters():
-            if name.startswith("layers."):
-                _, i, rest = name.split(".", 2)
-                out[name] = f"layers.{self.blocks[int(i)]}.{rest}"
-            else:
-                out[name] = name
-        return out
+def dense_names(stage: Stage) -> dict[str, str]:
+    """The stage's parameter names -> the whole model's (block i of the stage is block ``stage.blocks[i]``)."""
+    out = {}
+    for name, _ in stage.named_parameters():
+        if name.startswith("layers."):
+            _, i, rest = name.split(".", 2)
+            out[name] = f"layers.{stage.blocks[int(i)]}.{rest}"
+        else:
+            out[name] = name
+    return out
 
 
 @dataclass(frozen=True)
@@ -130,7 +116,7 @@ class Composed:
         self.mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp)
         self.schedule = schedules.build(layout.schedule, layout.pp, layout.m)
         stage = split(model, layout.pp)[self.mesh.rank("pp")]
-        self.stage = TPStage(stage, self.mesh.group("tp"))
+        self.stage = tensor_parallel_stage(stage, self.mesh.group("tp"))
 
     def parameters(self):
         return self.stage.parameters()
@@ -185,7 +171,7 @@ class Composed:
         """
         tp = self.mesh.group("tp")
         mine = {}
-        names = self.stage.dense_names()
+        names = dense_names(self.stage)
         for name, p in self.stage.named_parameters():
             dim = getattr(p, "partition_dim", None)
             if dim is None or self.layout.tp == 1:
