@@ -24,9 +24,9 @@ import torch
 
 from course_lib.checkpoint import commit, sharded
 from course_lib.checkpoint.zero_state import zero_state_dict
-from course_lib.cost.comm import fit_alpha_beta, relative_errors
+from course_lib.cost.comm import fit_alpha_beta
 from course_lib.dist import launch
-from course_lib.measure.collectives import split_sizes, time_collectives
+from course_lib.measure.collectives import held_out_errors, time_collectives
 from course_lib.measure.roofline import measure_cpu_roofline
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer
@@ -72,12 +72,11 @@ def main():
     print(
         f"gloo, 2 ranks, {args.repeats} repeats: alpha-beta fitted to all sizes; worst held-out error of the 11/5 split"
     )
+    _, held_out, _ = held_out_errors(measured)
     for name, times in measured.items():
         sizes = sorted(times)
         alpha, beta = fit_alpha_beta(sizes, [times[s] for s in sizes], 2, collective=name, relative=True)
-        fit, held = split_sizes(sizes)
-        a2, b2 = fit_alpha_beta(fit, [times[s] for s in fit], 2, collective=name, relative=True)
-        worst = max(relative_errors({s: times[s] for s in held}, name, 2, a2, b2).values(), key=abs)
+        worst = max(held_out[name].values(), key=abs)
         print(
             f"  {name:<16} alpha {alpha * 1e6:7.1f} us   1/beta {1 / beta / 1e9:6.2f} GB/s   held-out worst {worst:+.2f}"
         )

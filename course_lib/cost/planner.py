@@ -44,7 +44,6 @@ A group's link is NVLink-class ("scale_up") when its ranks fit in one node, the 
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass, field
 
 from course_lib.cost import hardware
@@ -175,7 +174,6 @@ def reasons(cfg: ModelConfig, cluster: Cluster, layout: Layout, global_batch: in
 
 def _stage_params(cfg: ModelConfig, pp: int, tp: int, ep: int) -> tuple[float, float, int]:
     """(dense parameters per device, expert parameters per device, layers) on the busiest stage."""
-    per = math.ceil(cfg.n_layers / pp)
     best = (0.0, 0.0, 0)
     for s in range(pp):
         layers = range(s * cfg.n_layers // pp, (s + 1) * cfg.n_layers // pp)
@@ -189,8 +187,8 @@ def _stage_params(cfg: ModelConfig, pp: int, tp: int, ep: int) -> tuple[float, f
         if s == pp - 1:
             dense += (cfg.vocab_size * cfg.d_model + cfg.d_model) / tp
         if dense + expert > sum(best[:2]):
-            best = (dense, expert, max(len(layers), 1))
-    return best[0], best[1], min(best[2], per)
+            best = (dense, expert, len(layers))
+    return best
 
 
 def stage_imbalance(cfg: ModelConfig, pp: int) -> float:
@@ -299,10 +297,18 @@ def layouts(
     return out
 
 
-def plan(cfg: ModelConfig, cluster: Cluster, global_batch: int, seq_len: int, **kw) -> list[Prediction]:
-    """Predictions of every valid layout, those that fit in memory first, each group fastest first."""
-    dp_overlap, flash = kw.pop("dp_overlap", 1.0), kw.pop("flash", True)
-    valid = layouts(cfg, cluster, global_batch, seq_len, **kw)
+def plan(
+    cfg: ModelConfig,
+    cluster: Cluster,
+    global_batch: int,
+    seq_len: int,
+    dp_overlap: float = 1.0,
+    flash: bool = True,
+    **search,
+) -> list[Prediction]:
+    """Predictions of every valid layout, those that fit in memory first, each group fastest first.
+    ``search``: the choices :func:`layouts` tries (zero, recompute, micro_batches)."""
+    valid = layouts(cfg, cluster, global_batch, seq_len, **search)
     predictions = [predict(cfg, cluster, ly, global_batch, seq_len, dp_overlap, flash) for ly in valid]
     return sorted(predictions, key=lambda p: (not p.fits, p.step_seconds))
 

@@ -134,7 +134,7 @@ def _rank(impl: Adapter, root, steps: int, faults: dict, kw: dict):
 
 
 def _run(impl, world_size, root, steps, faults=None, **kw):
-    """Rank 0's summary and every rank's summary and targets: [(summary, seen) per rank]."""
+    """The learner's ``train`` on ``world_size`` ranks with ``faults``: [(summary, targets seen) per rank]."""
     return launch(_rank, world_size, impl, root, steps, faults or {}, kw, timeout=LAUNCH_S)
 
 
@@ -183,7 +183,8 @@ def _differences(ref: dict, got: dict) -> list[str]:
     return out
 
 
-def _same_losses(ref: dict, got: dict, after: int) -> list[int]:
+def _differing_losses(ref: dict, got: dict, after: int) -> list[int]:
+    """The steps after ``after`` whose loss differs from the reference's."""
     return [s for s in range(after + 1, ref["step"] + 1) if got["losses"].get(s) != ref["losses"][s]]
 
 
@@ -192,7 +193,7 @@ def _check_identical(reference, resumed, what: str) -> None:
         problems = _differences(ref, got)
         assert not problems, f"{what}: rank {rank}: " + "; ".join(problems)
         start = _manifest_step_of(got)
-        bad = _same_losses(ref, got, start)
+        bad = _differing_losses(ref, got, start)
         assert not bad, f"{what}: the losses of steps {bad[:3]} differ from the uninterrupted run's"
 
 
