@@ -148,6 +148,11 @@ def main() -> None:
         say(f"{i:>4} {a:>10.6f} {b:>10.6f}")
     diff = max(abs(a - b) for a, b in zip(ds_losses, course))
     say(f"ZeRO-{stage}: max |loss difference| over {args.steps} steps = {diff:.2e}")
+    # Release DeepSpeed's engine (ZeRO-3's parameter hooks and their threads) while every rank is still
+    # here, then the process group: leaving both to interpreter exit aborted a rank now and then
+    # ("terminate called without an active exception") after a run that had finished correctly.
+    accelerator.wait_for_everyone()
+    engine.destroy()
     accelerator.end_training()
 
 
