@@ -39,6 +39,20 @@ context take the rest).
 
 A group's link is NVLink-class ("scale_up") when its ranks fit in one node, the network
 ("scale_out") otherwise; α and β come from :func:`~course_lib.cost.comm.link_alpha_beta`.
+
+**Shared cores** (``Cluster(cores=C)`` with C < N: N CPU ranks time-sharing C cores, as the course
+runs 8 ranks on a 2-core machine). A rank waiting in the bubble gives its core to another rank, so the
+bubble costs nothing; what the step costs is every rank's work divided by the cores:
+
+    compute        (training FLOPs / rate + passes · pass_seconds) / C, where passes = dp·tp·m·(L + 1)
+                   block forward-backward passes over all ranks (+1: the output layer and the loss) and
+                   ``pass_seconds`` is the fixed cost of one pass whatever its size (Python dispatch,
+                   kernel launches: on a tiny model it outweighs the arithmetic)
+
+The communication terms stay on the critical path, now through all m + pp − 1 slots of the
+schedule (a TP rank waits for its partner in every slot it computes); under time-sharing their α is
+mostly the wait for the partner to be scheduled, so it is measured under load, not on an idle pair.
+``pass_seconds`` also counts on an accelerator (kernel-launch overhead), on the critical path.
 """
 
 from __future__ import annotations
@@ -72,10 +86,19 @@ class Cluster:
     links: dict = field(default_factory=dict)
     memory_bytes: float | None = None  # instead of the table's HBM (a CPU rank's share of RAM, say)
     peak_flops: float | None = None  # instead of the table's peak (a measured figure)
+    cores: int | None = None  # the devices time-share this many cores (CPU ranks); None: each its own
+    pass_seconds: float = 0.0  # fixed cost of one block's forward + backward on one micro-batch
 
     def __post_init__(self):
         if self.n_devices < 1 or self.devices_per_node < 1:
             raise ValueError(f"a cluster needs n_devices >= 1 and devices_per_node >= 1, got {self}")
+        if (self.cores is not None and self.cores < 1) or self.pass_seconds < 0:
+            raise ValueError(f"cores={self.cores} must be >= 1 and pass_seconds={self.pass_seconds} >= 0")
+
+    @property
+    def shared(self) -> bool:
+        """More ranks than cores: the ranks take turns, and the bubble's idle time goes to others."""
+        return self.cores is not None and self.cores < self.n_devices
         if not 0 < self.mfu <= 1 or not 0 < self.memory_fraction <= 1:
             raise ValueError(f"mfu={self.mfu} and memory_fraction={self.memory_fraction} must lie in (0, 1]")
 
@@ -247,15 +270,23 @@ def predict(
     flops = training_flops_per_token(cfg, seq_len) * global_batch * seq_len * (4 / 3 if ly.recompute == "full" else 1)
     # each device's share, no bubble, at the pace of the busiest stage (the output layer's matmul sits on the last)
     busy = flops / (cluster.n_devices * cluster.flops() * cluster.mfu) * stage_imbalance(cfg, ly.pp)
-    seconds = {"compute": busy * (m + ly.pp - 1) / m}
+    slots = m + ly.pp - 1  # the schedule's length in micro-batch slots: m of work, pp − 1 of bubble
+    if cluster.shared:
+        passes = ly.dp * ly.tp * m * (cfg.n_layers + 1)  # over all ranks; each pass pays pass_seconds once
+        rate = cluster.flops() * cluster.mfu
+        seconds = {"compute": (flops / rate + passes * cluster.pass_seconds) / cluster.cores}
+    else:
+        seconds = {"compute": busy * slots / m + slots * layers * cluster.pass_seconds}
     act = b * s * h * bpe  # one micro-batch's hidden state on this rank (replicated over tp)
     if ly.tp > 1:
         per_layer = (6 if ly.recompute == "full" else 4) * collective_seconds(
             "ring_all_reduce", act, ly.tp, *on("tp", ly.tp)
         )
-        seconds["tp"] = m * layers * per_layer
+        # time-shared ranks wait for their partner in every slot; with a core each, the bubble's
+        # slots hold no TP work worth counting beside the compute term's bubble
+        seconds["tp"] = (slots if cluster.shared else m) * layers * per_layer
     if ly.pp > 1:
-        seconds["pp"] = 2 * (m + ly.pp - 1) * collective_seconds("p2p", act, 2, *on("pp", ly.tp * ly.cp * ly.pp))
+        seconds["pp"] = 2 * slots * collective_seconds("p2p", act, 2, *on("pp", ly.tp * ly.cp * ly.pp))
     if ly.cp > 1:
         kv = 2 * b * s * cfg.n_kv_heads * cfg.head_dim * bpe / ly.tp
         seconds["cp"] = 3 * m * layers * (ly.cp - 1) * collective_seconds("p2p", kv, 2, *on("cp", ly.tp * ly.cp))
