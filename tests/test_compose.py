@@ -42,8 +42,8 @@ def _batches():
     return out
 
 
-def _reference():
-    model = copy.deepcopy(_model())
+def _reference(make=_model):
+    model = copy.deepcopy(make())
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for x, y in _batches():
@@ -55,8 +55,8 @@ def _reference():
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _composed_rank(layout):
-    composed = Composed(_model(), layout, G)
+def _composed_rank(layout, make=_model):
+    composed = Composed(make(), layout, G)
     opt = torch.optim.SGD(composed.parameters(), lr=LR)
     losses = []
     for x, y in _batches():
@@ -97,3 +97,37 @@ def test_a_layout_the_model_cannot_take_is_refused_with_the_reason():
         check_layout(Layout(pp=8), cfg, G)
     with pytest.raises(ValueError, match="does not split into dp=2 replicas × m=3 micro-batches"):
         check_layout(Layout(dp=2, m=3), cfg, G)
+    with pytest.raises(ValueError, match="expert parallel size 2 needs a mixture of experts"):
+        check_layout(Layout(dp=2, ep=2), cfg, G)
+    with pytest.raises(ValueError, match="composed here with tp=1"):
+        check_layout(Layout(dp=2, tp=2, ep=2), configs.get("tiny", **MOE), G)
+
+
+MOE = dict(n_layers=4, n_routed_experts=4, n_activated_experts=2, moe_d_ff=32)
+
+
+def _moe_model():
+    torch.manual_seed(0)
+    return Transformer(configs.get("tiny", **MOE))
+
+
+@pytest.mark.parametrize("layout", [Layout(dp=4, pp=2, m=2, ep=2), Layout(dp=2, pp=2, m=2, ep=2)], ids=str)
+def test_composed_mixture_of_experts_with_expert_parallel_follows_one_process(layout):
+    """DP × EP × PP on the MoE variant: each stage's MoE layers hold E/ep experts, tokens reach them by
+    all-to-all. Same tolerances as the dense layouts (module docstring): the experts' rows and their
+    gradients are summed in another order, nothing else changes."""
+    ref_losses, ref_params = _reference(_moe_model)
+    out = launch(_composed_rank, layout.world_size, layout, _moe_model, timeout=240)
+    for losses, _ in out:
+        for step, (got, want) in enumerate(zip(losses, ref_losses)):
+            assert got is None or abs(got - want) <= LOSS_RTOL * abs(want), (
+                f"{layout}: loss of step {step} is {got}, one process has {want}"
+            )
+    for rank, (_, params) in enumerate(out):
+        assert sorted(params) == sorted(ref_params), f"rank {rank}: gathered names differ from the model's"
+        for name, want in ref_params.items():
+            gap = (params[name] - want).abs().max().item()
+            assert gap <= PARAM_ATOL, (
+                f"{layout}: {name} is off by {gap:.2e} on rank {rank}: an expert's gradient arrives summed over "
+                "its ep group; it needs the sum over the dp/ep copies and 1/dp, not a second all-reduce over dp"
+            )

@@ -52,11 +52,11 @@ class Mesh:
         if dist.is_initialized():
             self._build_groups(me)
 
-    def _lines(self, axis: str) -> list[list[int]]:
+    def lines(self, axis: str) -> list[list[int]]:
         """All the groups along one axis: the lines of the grid parallel to that axis."""
         if axis == "ep":
             # consecutive blocks of `ep` data-parallel ranks, for every (pp, cp, tp) position
-            dp_lines = self._lines("dp")
+            dp_lines = self.lines("dp")
             ep = self.sizes["ep"]
             return [line[i : i + ep] for line in dp_lines for i in range(0, len(line), ep)]
         dim = AXES.index(axis)
@@ -66,7 +66,7 @@ class Mesh:
     def _build_groups(self, me: int) -> None:
         # new_group is collective: every rank creates every group, in the same order.
         for axis in (*AXES, "ep"):
-            for ranks in self._lines(axis):
+            for ranks in self.lines(axis):
                 group = dist.new_group(ranks)
                 if me in ranks:
                     self._groups[axis], self._ranks[axis] = group, ranks

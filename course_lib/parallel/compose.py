@@ -12,7 +12,13 @@ innermost, so that TP's ranks are neighbours — one NVLink domain on a real mac
   column-parallel and its loss the vocabulary-parallel cross-entropy. The TP ranks of one stage run
   the same actions in the same order, so their all-reduces pair up;
 * **data** — each ``dp`` replica gets its 1/dp of the global batch and cuts it into ``m``
-  micro-batches; after the pipeline's backward, every gradient is averaged over the ``dp`` group.
+  micro-batches; after the pipeline's backward, every gradient is averaged over the ``dp`` group;
+* **expert** (a mixture-of-experts model, ``ep`` > 1, tp = 1) — ``ep`` consecutive replicas share the
+  routed experts of each MoE layer, E/ep each (:mod:`course_lib.parallel.expert`): tokens travel to
+  their experts' rank by all-to-all inside the stage. A routed expert's gradient arrives already
+  summed over its ``ep`` group (the dispatch's backward brings every replica's share to the owner), so
+  it is summed over the dp/ep copies of the same expert (the "expert data parallel" group) and
+  divided by dp, where the replicated parameters are all-reduced over the whole ``dp`` group.
 
 Numerically the composed step computes what one process computes on the whole batch: the same
 sums, in other orders (TP adds partial products over its ranks, the pipeline adds the micro-batches'
@@ -31,6 +37,7 @@ import torch.nn as nn
 
 from course_lib.dist.mesh import Mesh
 from course_lib.model.transformer import Transformer
+from course_lib.parallel.expert.layer import ExpertParallelMoE, expert_parallel, expert_params
 from course_lib.parallel.pipeline import runtime, schedules
 from course_lib.parallel.pipeline.stages import Stage, split
 from course_lib.parallel.tensor.layers import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
@@ -52,13 +59,19 @@ def tensor_parallel_stage(stage: Stage, group) -> Stage:
 
 def dense_names(stage: Stage) -> dict[str, str]:
     """The stage's parameter names -> the whole model's (block i of the stage is block ``stage.blocks[i]``)."""
+    # an expert-parallel MoE holds experts first, first+1, ... under the local names experts.0, experts.1, ...
+    firsts = {f"{n}.experts.": m.first for n, m in stage.named_modules() if isinstance(m, ExpertParallelMoE)}
     out = {}
     for name, _ in stage.named_parameters():
-        if name.startswith("layers."):
-            _, i, rest = name.split(".", 2)
-            out[name] = f"layers.{stage.blocks[int(i)]}.{rest}"
-        else:
-            out[name] = name
+        full = name
+        for prefix, first in firsts.items():
+            if name.startswith(prefix):
+                j, rest = name[len(prefix) :].split(".", 1)
+                full = f"{prefix}{first + int(j)}.{rest}"
+        if full.startswith("layers."):
+            _, i, rest = full.split(".", 2)
+            full = f"layers.{stage.blocks[int(i)]}.{rest}"
+        out[name] = full
     return out
 
 
@@ -71,13 +84,14 @@ class Layout:
     pp: int = 1
     m: int = 1
     schedule: str = "1f1b"
+    ep: int = 1  # expert-parallel ranks, carved out of dp
 
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
 
     def __str__(self) -> str:
-        return f"dp={self.dp} tp={self.tp} pp={self.pp} m={self.m}"
+        return f"dp={self.dp} tp={self.tp} pp={self.pp} m={self.m}" + (f" ep={self.ep}" if self.ep > 1 else "")
 
 
 def check_layout(layout: Layout, cfg, global_batch: int) -> None:
@@ -97,6 +111,13 @@ def check_layout(layout: Layout, cfg, global_batch: int) -> None:
             f"the global batch {global_batch} does not split into dp={layout.dp} replicas × m={layout.m} "
             f"micro-batches: choose dp·m dividing {global_batch}"
         )
+    if layout.ep > 1 and (not cfg.is_moe or cfg.n_routed_experts % layout.ep or layout.dp % layout.ep):
+        problems.append(
+            f"expert parallel size {layout.ep} needs a mixture of experts whose {cfg.n_routed_experts} routed experts "
+            f"it divides, and ep dividing dp={layout.dp} (its ranks are carved out of the replicas)"
+        )
+    if layout.ep > 1 and layout.tp > 1:
+        problems.append("expert parallelism is composed here with tp=1 (experts are not split over TP ranks): use tp=1")
     if cfg.tie_embeddings and layout.pp > 1:
         problems.append("tied embeddings across pipeline stages are not composed here: untie them or use pp=1")
     if problems:
@@ -113,10 +134,19 @@ class Composed:
     def __init__(self, model: Transformer, layout: Layout, global_batch: int):
         check_layout(layout, model.cfg, global_batch)
         self.layout, self.cfg, self.global_batch = layout, model.cfg, global_batch
-        self.mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp)
+        self.mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep)
         self.schedule = schedules.build(layout.schedule, layout.pp, layout.m)
         stage = split(model, layout.pp)[self.mesh.rank("pp")]
-        self.stage = tensor_parallel_stage(stage, self.mesh.group("tp"))
+        # tp = 1 keeps the dense blocks (an MoE block has no TP form here; a dense one computes the same)
+        self.stage = tensor_parallel_stage(stage, self.mesh.group("tp")) if layout.tp > 1 else stage
+        self.expert_dp = None  # the copies of this rank's experts: one per group of ep replicas
+        if layout.ep > 1:
+            expert_parallel(self.stage, self.mesh.group("ep"))
+            for j in range(layout.ep):  # new_group is collective: every rank makes every group, in order
+                for line in self.mesh.lines("dp"):
+                    group = dist.new_group(line[j :: layout.ep])
+                    if dist.get_rank() in line[j :: layout.ep]:
+                        self.expert_dp = group
 
     def parameters(self):
         return self.stage.parameters()
@@ -157,9 +187,17 @@ class Composed:
     def _average_over_dp(self) -> None:
         if self.layout.dp == 1:
             return
-        grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
+        experts = {id(p) for p in expert_params(self.stage)}
+        replicated = [p for p in self.stage.parameters() if id(p) not in experts]
+        self._average(replicated, self.mesh.group("dp"))
+        if experts:  # already summed over the ep group by the dispatch's backward: add the copies, divide by dp
+            self._average([p for p in self.stage.parameters() if id(p) in experts], self.expert_dp)
+
+    def _average(self, params, group) -> None:
+        grads = [p.grad for p in params if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])  # one all-reduce per step: a single bucket
-        dist.all_reduce(flat, group=self.mesh.group("dp"))
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(flat, group=group)
         flat /= self.layout.dp
         for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(piece.view_as(g))
