@@ -14,6 +14,10 @@ checks test course_lib's code (course_lib keeps its own API):
   is a context manager that puts everything back on exit: the shim enters it and never leaves.
 * lab 08 — the lab's ``quantize`` takes ``amax=`` (delayed scaling: an earlier step's amax); course_lib
   takes delayed scaling as the recipe "delayed" with an ``AmaxHistory``.
+* lab 10 — the lab's ``coordinates(rank, layout)`` is course_lib's Mesh grid (computed here as the Mesh
+  lays it out, since a Mesh built inside a launched rank creates process groups); its ``build`` returns
+  a part with ``.stage`` and ``.groups``, and ``step(part, ...)`` is a function: course_lib's
+  ``Composed`` with its mesh's groups, and its ``step`` method.
 
 The adapters load this file by its path in each rank (``tests`` is not a package on the ranks'
 sys.path), so it imports nothing from the test suite.
@@ -21,10 +25,12 @@ sys.path), so it imports nothing from the test suite.
 
 from pathlib import Path
 
+import torch
 import torch.nn as nn
 
 from course_lib.grading.adapter import load
 from course_lib.measure import reproducibility
+from course_lib.parallel.compose import Composed
 from course_lib.parallel.data.ddp import DistributedDataParallel, assign_buckets
 from course_lib.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from course_lib.precision import fp8
@@ -78,3 +84,28 @@ def deterministic_mode(seed: int) -> None:
     context = reproducibility.deterministic_mode(seed)
     context.__enter__()
     _ENTERED.append(context)
+
+
+def coordinates(rank: int, layout) -> tuple[int, int, int]:
+    """Lab 10's role: (d, s, t) of ``rank`` on course_lib.dist.Mesh's grid [dp, pp, cp, tp] (cp = 1)."""
+    grid = torch.arange(layout.world_size).view(layout.dp, layout.pp, 1, layout.tp)
+    d, s, _, t = (grid == rank).nonzero()[0].tolist()
+    return d, s, t
+
+
+class ComposedPart(Composed):
+    """Lab 10's part: course_lib's Composed, with the lab's ``groups`` (its mesh's, by axis)."""
+
+    @property
+    def groups(self) -> dict:
+        return {axis: self.mesh.group(axis) for axis in ("dp", "pp", "tp")}
+
+
+def build(model, layout, global_batch: int) -> ComposedPart:
+    """Lab 10's role: course_lib's composition of ``model`` on this rank."""
+    return ComposedPart(model, layout, global_batch)
+
+
+def step(part: ComposedPart, tokens, targets):
+    """Lab 10's role: the composition's step, as a function."""
+    return part.step(tokens, targets)

@@ -13,6 +13,10 @@ Lab 11's attacks (a SIGKILLed rank, a killed save, damaged shards, a NaN, a 2 ->
 deterministic runs) attack the lab's own ``train`` loop, which the library does not have in that shape:
 its commit, verification, guard, deterministic mode and rank-order sum meet the unit checks here, and
 its own loop (course_lib.measure.checkpoint) meets the same attacks in tests/test_checkpoint_resume.py.
+Lab 10's traffic and cost-model checks (``traffic``, ``step_seconds``, ``pick``) grade the lab's own
+alpha-beta model against the measured traffic of the lab's step; course_lib's planner
+(course_lib.cost.planner) models a GPU cluster with another interface, so they run on the reference
+solution in tests/test_labs.py and on planted bugs in tests/test_lab10_capstone.py.
 """
 
 from functools import partial
@@ -29,6 +33,7 @@ from course_lib.grading.labs import lab06_sequence_parallel as lab06
 from course_lib.grading.labs import lab07_moe as lab07
 from course_lib.grading.labs import lab08_fp8 as lab08
 from course_lib.grading.labs import lab09_kv_cache as lab09
+from course_lib.grading.labs import lab10_capstone as lab10
 from course_lib.grading.labs import lab11_fault_tolerance as lab11
 
 SHIMS = str(Path(__file__).resolve().parent / "lab_shims.py")
@@ -83,6 +88,12 @@ LIBRARY = {
         BlockPool="course_lib.inference.paged",
         PagedCache="course_lib.inference.paged",
     ),
+    "lab10": Adapter.of_library(  # the composition; the traffic and the cost model are the lab's own
+        coordinates=f"{SHIMS}:coordinates",
+        check_layout="course_lib.parallel.compose",
+        build=f"{SHIMS}:build",
+        step=f"{SHIMS}:step",
+    ),
     "lab11": Adapter.of_library(  # the pieces; the attacks need the lab's own loop (see the module docstring)
         commit_checkpoint="course_lib.checkpoint.sharded:save",
         latest_checkpoint="course_lib.checkpoint.commit:latest",
@@ -101,10 +112,13 @@ GRADERS = {
     "lab07": lab07,
     "lab08": lab08,
     "lab09": lab09,
+    "lab10": lab10,
     "lab11": lab11,
 }
 NOT_IN_LIBRARY = {  # see the module docstring
     lab03.check_padding,
+    lab10.check_traffic,
+    lab10.check_pick,
     lab11.check_killed_save,
     lab11.check_damaged_shards,
     lab11.check_kill_and_resume,
@@ -112,7 +126,11 @@ NOT_IN_LIBRARY = {  # see the module docstring
     lab11.check_nan_and_spike,
     lab11.check_two_runs,
 }
-ROLES_NOT_IN_LIBRARY = {"lab03": {"padded_size", "shard_of"}, "lab11": {"train", "capture", "restore"}}
+ROLES_NOT_IN_LIBRARY = {
+    "lab03": {"padded_size", "shard_of"},
+    "lab10": {"rank_parameters", "traffic", "step_seconds", "pick"},
+    "lab11": {"train", "capture", "restore"},
+}
 CHECKS = [
     (lab, task.check)
     for lab, grader in GRADERS.items()
