@@ -26,6 +26,9 @@ def pytest_configure(config):
     os.environ["COURSE_REFERENCE_ANSWERS"] = "1"
     # the lectures' Perfetto traces go to the run's temp folder, removed at the end: a test leaves none
     os.environ["COURSE_TRACES"] = str(TMP / "traces")
+    # C++ ops that DeepSpeed and quanto compile on first use are cached in build/, not ~/.cache: shared by
+    # the tests and the lectures (built once per checkout: lecture 09's DeepSpeed run finds it warm)
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / "build" / "torch_extensions"))
 
 
 def pytest_unconfigure(config):

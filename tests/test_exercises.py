@@ -43,6 +43,10 @@ def _run_check(name: str, ns: dict, tp_counted) -> str:
         return exercises.check_compute_bound_tokens(ns[name])
     if name == "checkpoint_interval":
         return exercises.check_checkpoint_interval(ns[name])
+    if name == "best_tp_scheme":
+        return exercises.check_best_tp_scheme(ns[name])
+    if name == "valid_layouts":
+        return exercises.check_valid_layouts(ns[name])
     # ring_comm_bytes equals what the counter measures: tests/test_ring_attention.py and lecture 03 §2.5
     sent = ring_comm_bytes(RING["B"], RING["S"], RING["HKV"], RING["D"], RING["N"])["forward_bytes"]
     return exercises.check_ring_forward_bytes(ns[name], sent, *RING.values())
@@ -58,6 +62,8 @@ EXERCISES = [
     ("06_memory_kv_cache_and_checkpointing.ipynb", "paged_waste_slots"),
     ("07_hardware_landscape_and_domestic_accelerators.ipynb", "compute_bound_tokens"),
     ("08_systematic_challenges.ipynb", "checkpoint_interval"),
+    ("09_frameworks_and_toolchains.ipynb", "best_tp_scheme"),
+    ("10_capstone_and_outlook.ipynb", "valid_layouts"),
 ]
 
 
@@ -123,9 +129,21 @@ def test_a_wrong_answer_fails_with_what_to_look_at(tp_counted):
         )
     with pytest.raises(AssertionError, match="whole blocks"):  # one block too many per sequence
         exercises.check_paged_waste_slots(lambda lengths, b: sum((n // b + 1) * b - n for n in lengths))
+    with pytest.raises(AssertionError, match="grid exists"):  # always the 3D grid, whatever p
+        exercises.check_best_tp_scheme(lambda b, h, n, p: "3d")
     with pytest.raises(AssertionError, match="set its derivative to zero"):  # forgot the factor 2
         exercises.check_checkpoint_interval(lambda c, m: (c * m) ** 0.5)
     with pytest.raises(AssertionError, match="find the first m"):  # the m >> k, n limit: 2m/b = ridge
         exercises.check_compute_bound_tokens(lambda k, n, b, peak, bw: int(peak / bw * b / 2))
+    with pytest.raises(AssertionError, match="tp must divide the heads, the key/value heads"):  # kv heads forgotten
+        exercises.check_valid_layouts(
+            lambda cfg, world, batch, m: {
+                (dp, tp, world // (dp * tp))
+                for dp in range(1, world + 1)
+                for tp in range(1, world + 1)
+                if world % (dp * tp) == 0 and cfg.n_heads % tp == 0 and world // (dp * tp) <= cfg.n_layers
+                if batch % (dp * m) == 0 and not (cfg.tie_embeddings and world // (dp * tp) > 1)
+            }
+        )
     with pytest.raises(AssertionError, match="Walk the model"):
         exercises.check_tp_step_prediction(lambda n, b, s, d: (0, 0, 0), tp_counted, 64)

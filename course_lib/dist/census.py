@@ -23,7 +23,7 @@ def held_bytes(*roots, max_depth: int = 6) -> int:
 
     def add(t: torch.Tensor) -> None:
         storage = t.untyped_storage()
-        if storage.nbytes() == 0:
+        if storage.nbytes() == 0 or t.is_meta:  # a meta tensor has a shape and no memory (DeepSpeed keeps some)
             return
         seen_storages[storage.data_ptr()] = max(seen_storages.get(storage.data_ptr(), 0), storage.nbytes())
 

@@ -30,12 +30,15 @@ import torch
 
 from course_lib.cost import hardware, roofline
 from course_lib.cost.checkpoint import checkpoint_overhead, young_interval
+from course_lib.cost.comm import tp_received_elements
 from course_lib.cost.memory import zero_model_state_bytes
 from course_lib.grading.adapter import load
 from course_lib.inference.paged import PagedCache
 from course_lib.model import config as configs
 from course_lib.model.lora import apply_lora, lora_parameters
 from course_lib.model.transformer import Transformer
+from course_lib.parallel.compose import Layout as ComposedLayout
+from course_lib.parallel.compose import check_layout
 
 ROOT = Path(__file__).resolve().parents[2]
 ANSWERS = ROOT / "solutions" / "lectures" / "answers.py"
@@ -307,3 +310,73 @@ def check_checkpoint_interval(checkpoint_interval) -> str:
     return (
         "checkpoint-interval exercise: your interval equals Young's sqrt(2CM) and minimises the overhead in every case"
     )
+
+
+# ------------------------------------------------------------------ lecture 09: choosing a TP scheme
+
+
+def check_best_tp_scheme(best_tp_scheme) -> str:
+    """The learner's cheapest tensor-parallel scheme for X[b, h]·W[h, n] on p devices, against a search over
+    the schemes whose grid exists ("1d" always, "2d" for a square p, "3d" for a cube) ranked by
+    :func:`course_lib.cost.comm.tp_received_elements`, ties going to the simpler scheme. Exact: the
+    answer is a name, and the volumes compared are the same formula's.
+    """
+    cases = [
+        (4096, 8192, 28672, 64),  # many tokens, many devices: a grid wins
+        (4096, 8192, 28672, 8),
+        (16, 8192, 28672, 8),  # a decode step: the 1D all-reduce of a small output
+        (16, 8192, 28672, 64),
+        (4096, 8192, 8192, 4),  # square, not a cube
+        (8192, 4096, 4096, 27),  # cube, not a square
+        (2048, 4096, 4096, 6),  # neither: only 1D exists
+        (512, 1024, 1024, 1),  # one device: every scheme receives nothing, the simplest wins
+    ]
+    for b, h, n, p in cases:
+        grids = ["1d"] + (["2d"] if round(p**0.5) ** 2 == p else []) + (["3d"] if round(p ** (1 / 3)) ** 3 == p else [])
+        volumes = {s: tp_received_elements(s, b, h, n, p) for s in grids}
+        want = min(grids, key=lambda s: (volumes[s], grids.index(s)))
+        got = _call("best_tp_scheme", best_tp_scheme, b, h, n, p)
+        assert got == want, (
+            f"X [{b}, {h}] · W [{h}, {n}] on p = {p}: you say {got!r}, the cheapest is {want!r} (elements received "
+            f"per device: {', '.join(f'{s} {v:,.0f}' for s, v in volumes.items())}). Consider only the schemes whose "
+            "grid exists for p (2d: p a perfect square, 3d: a perfect cube) and compare tp_received_elements"
+        )
+    return "TP-scheme exercise: your choice is the cheapest existing scheme for every layer shape and device count"
+
+
+# ------------------------------------------------------- lecture 10: the layouts a mesh can take
+
+
+def check_valid_layouts(valid_layouts) -> str:
+    """The learner's set of (dp, tp, pp) with dp·tp·pp = world that the composed step accepts, against
+    :func:`course_lib.parallel.compose.check_layout` tried on every split of the world. Exact: sets of
+    integer triples."""
+    cases = [  # (config, overrides, world, global batch, micro-batches per replica)
+        ("tiny", dict(n_layers=4), 8, 8, 2),
+        ("tiny", dict(n_layers=2), 8, 8, 1),
+        ("tiny", dict(n_layers=4), 8, 4, 2),
+        ("tiny", dict(n_layers=4, tie_embeddings=True), 8, 8, 1),
+        ("small", {}, 16, 16, 2),
+        ("small", dict(n_layers=8), 12, 24, 3),
+    ]
+    for name, overrides, world, batch, m in cases:
+        cfg = configs.get(name, **overrides)
+        want = set()
+        for dp in range(1, world + 1):
+            for tp in range(1, world + 1):
+                if world % (dp * tp):
+                    continue
+                try:
+                    check_layout(ComposedLayout(dp, tp, world // (dp * tp), m), cfg, batch)
+                    want.add((dp, tp, world // (dp * tp)))
+                except ValueError:
+                    pass
+        got = _call("valid_layouts", valid_layouts, cfg, world, batch, m)
+        got = {tuple(int(x) for x in t) for t in got}
+        assert got == want, (
+            f"{name} ({cfg.n_layers} blocks, {cfg.n_heads} heads, {cfg.n_kv_heads} key/value heads, tied embeddings "
+            f"{cfg.tie_embeddings}) on {world} ranks, batch {batch}, m = {m}: you listed {sorted(got)}, the composed "
+            f"step accepts {sorted(want)}. tp must divide the heads, the key/value heads, the vocabulary and d_ff; "
+            "pp needs a block per stage (and tied embeddings allow no pp > 1); dp·m must divide the global batch"
+        )
+    return "layouts exercise: your sets equal the splits the composed step accepts, in every case"

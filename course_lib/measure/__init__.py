@@ -25,4 +25,6 @@ For lectures, tests and benchmarks only: no algorithm imports this package.
 * :mod:`~course_lib.measure.stability`       — a loss spike provoked on the course model and each remedy's curve
 * :mod:`~course_lib.measure.reproducibility` — seeds, deterministic mode, reduction-order non-associativity
 * :mod:`~course_lib.measure.lineage`         — SeedPrints-style fingerprints: do two models share an initialisation?
+* :mod:`~course_lib.measure.frameworks`      — DeepSpeed (accelerate launch), FSDP2 and Lightning Fabric beside course ZeRO and DDP
+* :mod:`~course_lib.measure.capstone`        — the course model trained over a DP × TP × PP mesh beside one process, one step traced
 """

@@ -9,4 +9,5 @@
 * :mod:`~course_lib.plots.hardware`         the accelerator table as a scatter, rooflines with kernels placed
 * :mod:`~course_lib.plots.comm`             measured vs fitted collective times, H800 vs H100 step times
 * :mod:`~course_lib.plots.stability`        loss curves of a spike and its remedies
+* :mod:`~course_lib.plots.capstone`         one composed DP × TP × PP step: a lane for compute and one per mesh axis
 """
