@@ -4,6 +4,8 @@ Try each exercise before reading its answer here. The test run executes the lect
 answers (COURSE_REFERENCE_ANSWERS=1), so every check cell is proven to pass with them.
 """
 
+from course_lib.cost.comm import tp_received_elements
+
 
 # Lecture 01, §8: one AdamW step (Loshchilov & Hutter 2019, Alg. 2), in place.
 def my_adamw_step(p, g, m, v, t, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2):
@@ -67,6 +69,13 @@ def checkpoint_interval(checkpoint_s, mtbf_s):
     return (2 * checkpoint_s * mtbf_s) ** 0.5
 
 
+# Lecture 09, §6: every scheme whose device grid exists for p, ranked by the elements a device receives;
+# the list is in order of simplicity, so min() keeps the simpler scheme on a tie.
+def best_tp_scheme(b, h, n, p):
+    grids = ["1d"] + (["2d"] if round(p**0.5) ** 2 == p else []) + (["3d"] if round(p ** (1 / 3)) ** 3 == p else [])
+    return min(grids, key=lambda s: tp_received_elements(s, b, h, n, p))
+
+
 # Lecture 07, §2: I(m) = 2mnk / (b(mk + kn + mn)) rises with m towards 2nk / (b(k + n)); solving I(m) = ridge
 # gives m = ridge·b·kn / (2nk − ridge·b(k + n)). Round up, then step to absorb the rounding of the division.
 def compute_bound_tokens(k, n, bytes_per_element, peak_flops_per_second, bytes_per_second):
@@ -84,3 +93,20 @@ def compute_bound_tokens(k, n, bytes_per_element, peak_flops_per_second, bytes_p
     while m > 1 and intensity(m - 1) >= ridge:
         m -= 1
     return m
+
+
+# Lecture 10, §1.2: tp divides every split dimension (heads, key/value heads, vocabulary, d_ff); each of
+# the pp stages needs a block, and tied embeddings keep the model whole (pp = 1); dp·m divides the batch.
+def valid_layouts(cfg, world, global_batch, m):
+    out = set()
+    for dp in range(1, world + 1):
+        for tp in range(1, world + 1):
+            if world % (dp * tp):
+                continue
+            pp = world // (dp * tp)
+            if any(x % tp for x in (cfg.n_heads, cfg.n_kv_heads, cfg.vocab_size, cfg.d_ff)):
+                continue
+            if pp > cfg.n_layers or (cfg.tie_embeddings and pp > 1) or global_batch % (dp * m):
+                continue
+            out.add((dp, tp, pp))
+    return out
