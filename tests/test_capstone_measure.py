@@ -11,7 +11,7 @@ import pytest
 
 from course_lib.dist.trace import Span
 from course_lib.measure.capstone import CAPSTONE, composed_vs_one_process
-from course_lib.plots.capstone import mesh_timeline
+from course_lib.plots.capstone import mesh_timeline, predicted_vs_measured
 
 LOSS_RTOL, PARAM_ATOL = 2e-5, 6e-5
 
@@ -49,3 +49,13 @@ def test_mesh_timeline_draws_a_labelled_row_per_rank():
     assert ax.get_xlim()[1] >= 3.5
     with pytest.raises(ValueError, match="one coordinate dict per rank"):
         mesh_timeline(spans, coords[:1])
+
+
+def test_predicted_vs_measured_puts_each_layout_at_its_two_times():
+    ax = predicted_vs_measured(["a", "b"], [0.01, 0.02], [0.012, 0.018], [True, False])
+    points = [tuple(c.get_offsets()[0]) for c in ax.collections[:2]]
+    assert points == [(10.0, 12.0), (20.0, 18.0)], "x: predicted, y: measured, in ms"
+    assert [t.get_text() for t in ax.texts] == ["a", "b"]
+    assert ax.collections[0].get_facecolors().size == 0 or ax.collections[0].get_facecolors()[0][3] == 0, "probes hollow"
+    with pytest.raises(ValueError, match="one name, prediction, measurement and flag per layout"):
+        predicted_vs_measured(["a"], [0.01, 0.02], [0.012], [True])

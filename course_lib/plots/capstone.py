@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from matplotlib.patches import Patch
+from matplotlib.ticker import NullFormatter, ScalarFormatter
 
 from course_lib.plots.common import axes, span_bar, timeline_frame
 from course_lib.plots.pipeline import OP_COLORS
@@ -94,6 +95,9 @@ def predicted_vs_measured(
     ax.plot([low, high], [low, high], color="0.6", lw=1, ls="--")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):  # plain numbers, not powers of ten, on a range this narrow
+        axis.set_major_formatter(ScalarFormatter())
+        axis.set_minor_formatter(NullFormatter())
     ax.set_xlim(low, high)
     ax.set_ylim(low, high)
     ax.set_xlabel(f"predicted step time ({unit})")
