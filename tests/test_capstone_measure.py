@@ -56,6 +56,8 @@ def test_predicted_vs_measured_puts_each_layout_at_its_two_times():
     points = [tuple(c.get_offsets()[0]) for c in ax.collections[:2]]
     assert points == [(10.0, 12.0), (20.0, 18.0)], "x: predicted, y: measured, in ms"
     assert [t.get_text() for t in ax.texts] == ["a", "b"]
-    assert ax.collections[0].get_facecolors().size == 0 or ax.collections[0].get_facecolors()[0][3] == 0, "probes hollow"
+    assert ax.collections[0].get_facecolors().size == 0 or ax.collections[0].get_facecolors()[0][3] == 0, (
+        "probes hollow"
+    )
     with pytest.raises(ValueError, match="one name, prediction, measurement and flag per layout"):
         predicted_vs_measured(["a"], [0.01, 0.02], [0.012], [True])
