@@ -14,12 +14,11 @@ lr = 0.1 (measured: under 1e-7). SGD rather than Adam for this check: Adam's g/â
 difference of a near-zero gradient into a full-size step, which says nothing about the composition.
 """
 
-import copy
-
 import pytest
 import torch
 
 from course_lib.dist import launch
+from course_lib.measure.capstone import sgd_one_process
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.compose import Composed, Layout, check_layout
@@ -43,16 +42,7 @@ def _batches():
 
 
 def _reference(make=_model):
-    model = copy.deepcopy(make())
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for x, y in _batches():
-        loss = model.loss(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return sgd_one_process(make(), _batches(), LR)
 
 
 def _composed_rank(layout, make=_model):

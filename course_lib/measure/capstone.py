@@ -40,18 +40,24 @@ def _batches(steps: int, global_batch: int, seq_len: int, data_seed: int):
     return [b for _, b in zip(range(steps), ds.batches(global_batch, seed=data_seed, epochs=None))]
 
 
-def one_process(steps: int, lr: float, global_batch: int, seq_len: int, n_layers: int = 4, seed: int = 0, data_seed=11):
-    """Plain SGD on one process: (loss of every step, final parameters by name)."""
-    model = copy.deepcopy(_model(n_layers, seed))
+def sgd_one_process(model, batches, lr: float) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The reference every composed run is checked against: plain SGD on one process over whole global
+    batches. Returns (loss of every step, final parameters by name); ``model`` itself is left untouched."""
+    model = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
-    for x, y in _batches(steps, global_batch, seq_len, data_seed):
+    for x, y in batches:
         loss = model.loss(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def one_process(steps: int, lr: float, global_batch: int, seq_len: int, n_layers: int = 4, seed: int = 0, data_seed=11):
+    """:func:`sgd_one_process` on the capstone's model and batches."""
+    return sgd_one_process(_model(n_layers, seed), _batches(steps, global_batch, seq_len, data_seed), lr)
 
 
 def _composed_rank(layout: Layout, steps, lr, global_batch, seq_len, n_layers, seed, data_seed, traced_step):

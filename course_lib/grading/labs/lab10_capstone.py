@@ -30,7 +30,6 @@ tests/test_lab10_capstone.py).
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import torch
@@ -40,6 +39,7 @@ from course_lib.dist import counter, launch
 from course_lib.dist.mesh import AXES
 from course_lib.grading.adapter import Adapter
 from course_lib.grading.grade import Task
+from course_lib.measure.capstone import sgd_one_process
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.compose import Layout, dense_names
@@ -116,16 +116,7 @@ def _batches():
 
 
 def _reference():
-    model = copy.deepcopy(_model())
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for x, y in _batches():
-        loss = model.loss(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return sgd_one_process(_model(), _batches(), LR)
 
 
 def _gathered_stage(part) -> dict[str, torch.Tensor]:
