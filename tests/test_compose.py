@@ -18,10 +18,9 @@ import pytest
 import torch
 
 from course_lib.dist import launch
-from course_lib.measure.capstone import sgd_one_process
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer
-from course_lib.parallel.compose import Composed, Layout, check_layout
+from course_lib.parallel.compose import Composed, Layout, check_layout, sgd_one_process
 
 G, S, LR, STEPS = 8, 16, 0.1, 3
 LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-6  # see the module docstring

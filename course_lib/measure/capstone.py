@@ -11,8 +11,6 @@ states its own for the length of this run.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.distributed as dist
 
@@ -20,7 +18,7 @@ from course_lib.data import MarkovLanguage, make_dataset
 from course_lib.dist import launch, trace
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer
-from course_lib.parallel.compose import Composed, Layout
+from course_lib.parallel.compose import Composed, Layout, sgd_one_process
 
 AXES = ("dp", "pp", "tp")
 CAPSTONE = Layout(
@@ -40,23 +38,8 @@ def _batches(steps: int, global_batch: int, seq_len: int, data_seed: int):
     return [b for _, b in zip(range(steps), ds.batches(global_batch, seed=data_seed, epochs=None))]
 
 
-def sgd_one_process(model, batches, lr: float) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The reference every composed run is checked against: plain SGD on one process over whole global
-    batches. Returns (loss of every step, final parameters by name); ``model`` itself is left untouched."""
-    model = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    losses = []
-    for x, y in batches:
-        loss = model.loss(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
 def one_process(steps: int, lr: float, global_batch: int, seq_len: int, n_layers: int = 4, seed: int = 0, data_seed=11):
-    """:func:`sgd_one_process` on the capstone's model and batches."""
+    """:func:`~course_lib.parallel.compose.sgd_one_process` on the capstone's model and batches."""
     return sgd_one_process(_model(n_layers, seed), _batches(steps, global_batch, seq_len, data_seed), lr)
 
 

@@ -29,6 +29,7 @@ study which sizes to choose; :mod:`course_lib.cost.planner` predicts it from the
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -225,3 +226,18 @@ class Composed:
         for part in gathered:
             out.update(part)
         return out
+
+
+def sgd_one_process(model, batches, lr: float) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The reference every composed run is checked against: plain SGD on one process over whole global
+    batches. Returns (loss of every step, final parameters by name); ``model`` itself is left untouched."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for x, y in batches:
+        loss = model.loss(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
