@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.dist import LaunchTimeout, Mesh, RankError, counter, launch, runtime, trace
+from course_lib.dist import LaunchTimeout, Mesh, RankError, counter, device, launch, runtime, trace
 
 
 def _rank_sum(scale, offset=0.0):
-    t = torch.tensor([float(dist.get_rank() + 1)])
+    t = torch.tensor([float(dist.get_rank() + 1)], device=device())
     dist.all_reduce(t)
     return (t * scale + offset, dist.get_rank(), dist.get_world_size(), runtime.backend())
 
@@ -107,7 +107,7 @@ def _spawn_orphan_then(what, pid_dir):
             raise ValueError("rank 1 failed on purpose")
         while True:  # hang on purpose
             time.sleep(0.05)
-    t = torch.zeros(1)
+    t = torch.zeros(1, device=device())
     dist.recv(t, src=1)  # rank 0 waits for a message rank 1 never sends
 
 
@@ -178,7 +178,7 @@ def test_mesh_validates_sizes():
 
 def _mesh_groups():
     mesh = Mesh(dp=2, tp=2, ep=2)
-    t = torch.tensor([float(dist.get_rank())])
+    t = torch.tensor([float(dist.get_rank())], device=device())
     dist.all_reduce(t, group=mesh.group("tp"))
     return {a: mesh.ranks(a) for a in ("dp", "tp", "pp", "cp", "ep")}, mesh.coords, t.item()
 
@@ -199,19 +199,23 @@ def test_mesh_groups_follow_the_grid():
 
 def _counted():
     mesh = Mesh(dp=2)
-    x = torch.ones(1000)  # 4000 bytes
+    dev = device()
+    x = torch.ones(1000, device=dev)  # 4000 bytes
     with counter.count() as c, trace.record() as tl:
         dist.all_reduce(x, group=mesh.group("dp"))
         with trace.span("matmul"):
-            torch.ones(64, 64) @ torch.ones(64, 64)
+            torch.ones(64, 64, device=dev) @ torch.ones(64, 64, device=dev)
         work = dist.all_reduce(x, async_op=True)
         time.sleep(0.05)
         work.wait()
         peer = 1 - dist.get_rank()
-        ops = [dist.P2POp(dist.isend, torch.ones(10), peer), dist.P2POp(dist.irecv, torch.empty(10), peer)]
+        ops = [
+            dist.P2POp(dist.isend, torch.ones(10, device=dev), peer),
+            dist.P2POp(dist.irecv, torch.empty(10, device=dev), peer),
+        ]
         for w in dist.batch_isend_irecv(ops):
             w.wait()
-        out = torch.empty(2000)
+        out = torch.empty(2000, device=dev)
         dist.all_gather_single(out, x)
         dist.all_gather_into_tensor(out, x)  # deprecated, implemented with all_gather_single: counted once
     spans = [(s.name, s.kind, s.duration, s.meta.get("group")) for s in tl.spans]
@@ -257,7 +261,7 @@ def test_init_without_launcher_environment_explains(monkeypatch):
 
 def _only_rank_1_waits():
     if dist.get_rank() == 1:
-        dist.recv(torch.zeros(1), src=0)  # rank 0 returns without ever sending
+        dist.recv(torch.zeros(1, device=device()), src=0)  # rank 0 returns without ever sending
     return dist.get_rank()
 
 
@@ -267,4 +271,4 @@ def test_a_rank_that_returns_early_keeps_its_peers_waiting_visibly():
     with pytest.raises(LaunchTimeout) as info:
         launch(_only_rank_1_waits, 2, timeout=3)
     assert info.value.ranks == [1]
-    assert "dist.recv(torch.zeros(1), src=0)" in str(info.value)
+    assert "dist.recv(torch.zeros(1, device=device()), src=0)" in str(info.value)
