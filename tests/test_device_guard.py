@@ -135,7 +135,7 @@ def test_rank_side_code_names_its_devices():
     assert not problems, "tensors made without a device, or timings that skip the device:\n" + "\n".join(problems)
 
 
-PLANTED = '''\
+PLANTED = """\
 import time
 import torch
 
@@ -145,9 +145,9 @@ def step(x):
     out = x + ones
     seed = torch.tensor([1, 2])  # host:
     return out, seed, start
-'''
+"""
 
-FIXED = '''\
+FIXED = """\
 import time
 import torch
 from course_lib.dist.timing import clock
@@ -159,7 +159,7 @@ def step(x, device):
     like = torch.zeros(3, **{"device": device})
     wall = time.perf_counter()  # host: the deadline of a host-side wait
     return x + ones, clock() - start
-'''
+"""
 
 
 def test_planted_violations_are_reported():
@@ -176,7 +176,9 @@ def test_named_devices_and_stated_reasons_pass():
 
 def test_a_host_only_module_needs_its_reason():
     body = "import torch\nx = torch.ones(3)\n"
-    assert findings(Path("m.py"), "# device-guard: host-only: drawn on the host for every machine\n" + body, "m.py") == []
+    assert (
+        findings(Path("m.py"), "# device-guard: host-only: drawn on the host for every machine\n" + body, "m.py") == []
+    )
     assert findings(Path("m.py"), "# device-guard: host-only:\n" + body, "m.py") == [
         "m.py: '# device-guard: host-only:' needs a reason"
     ]
@@ -190,8 +192,6 @@ def test_the_timer_home_may_read_the_clock():
 
 if __name__ == "__main__":
     targets = [Path(a).resolve() for a in sys.argv[1:]] or [ROOT]
-    found = [
-        f for p in rank_side_files() if any(p == t or t in p.parents for t in targets) for f in findings(p)
-    ]
+    found = [f for p in rank_side_files() if any(p == t or t in p.parents for t in targets) for f in findings(p)]
     print("\n".join(found) or "no findings")
     print(f"{len(found)} findings", file=sys.stderr)

@@ -71,6 +71,18 @@ def _arg(args, kwargs, i, name):
     return kwargs[name] if name in kwargs else (args[i] if len(args) > i else None)
 
 
+def _peer(name: str, group, args, kwargs) -> int | None:
+    """The other rank, as a global rank. ``batch_isend_irecv`` (``course_lib.dist.p2p``) names it by
+    its rank in the group (``group_dst=`` / ``group_src=``) rather than by ``dst`` / ``src``."""
+    key, position = _P2P[name]
+    peer = _arg(args, kwargs, position, key)
+    if peer is None:
+        local = kwargs.get("group_dst" if key == "dst" else "group_src")
+        if local is not None:
+            peer = local if group is None else dist.get_global_rank(group, local)
+    return peer
+
+
 def _nbytes(x) -> int:
     if isinstance(x, torch.Tensor):
         return x.numel() * x.element_size()
@@ -120,7 +132,7 @@ def _observed_call(name: str, original, args, kwargs):
     gname = group_name(group)
     info = {}
     if name in _P2P:
-        info["peer"] = _arg(args, kwargs, _P2P[name][1], _P2P[name][0])
+        info["peer"] = _peer(name, group, args, kwargs)
         info["tag"] = _arg(args, kwargs, _TAG_POSITION, "tag") or 0
     observers = list(_OBSERVERS)
     finishers = [f for f in (observer(name, gname, nbytes, **info) for observer in observers) if f is not None]

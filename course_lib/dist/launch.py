@@ -147,6 +147,7 @@ def _td(seconds: float):
 # ---------------------------------------------------------------------------------------- caller
 
 _CONTEXT = None
+_ANNOUNCED: set[int] = set()  # world sizes whose fall-back to CPU ranks this process has reported
 
 
 def _context():
@@ -197,6 +198,12 @@ def launch(
         profiles = {t.rank: p for _, t, p in traced if p is not None}
         tracing.write(trace, [t for _, t, _ in traced], profiles or None)
         return [result for result, _, _ in traced]
+    # The rule is applied here first: a forced backend that cannot work is refused before any rank
+    # starts, and a fall-back from a present accelerator to CPU ranks is said once, not hidden.
+    choice = runtime.choice(world_size)
+    if choice.fell_back and world_size not in _ANNOUNCED:
+        _ANNOUNCED.add(world_size)
+        print(runtime.describe(world_size, world_size), file=sys.stderr, flush=True)
     ctx = _context()
     store = dist.TCPStore(HOST, 0, world_size, is_master=True, wait_for_workers=False, timeout=_td(timeout))
     payload = cloudpickle.dumps((fn, args, kwargs))

@@ -44,7 +44,7 @@ class Mesh:
             )
         self.sizes = {**sizes, "ep": ep}
         self.world_size = world
-        self.grid = torch.arange(world).view(dp, pp, cp, tp)
+        self.grid = torch.arange(world).view(dp, pp, cp, tp)  # host: rank bookkeeping, read as Python ints
         me = dist.get_rank() if dist.is_initialized() else 0
         self.coords = {a: int(c) for a, c in zip(AXES, (self.grid == me).nonzero()[0])}
         self._groups: dict[str, object] = {}

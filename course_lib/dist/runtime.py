@@ -15,7 +15,13 @@ NCCL, Intel's XPU gives XCCL, and an out-of-tree device that registers itself (H
 ``torch_npu`` registers "npu" with the HCCL backend) is picked up the same way, with no change here.
 NCCL refuses to put two ranks on one GPU, which is why a 1-GPU machine running 4 ranks falls back
 to gloo+cpu. ``COURSE_BACKEND=gloo`` (or the accelerator's backend, such as ``nccl``) overrides
-the rule, for example to run CPU ranks on a GPU machine.
+the rule, for example to run CPU ranks on a GPU machine; forcing ``nccl`` with fewer devices than
+local ranks is refused with the fix named, rather than failing later with "invalid device ordinal".
+
+The choice is never silent where it could surprise: a script started by a launcher prints
+:func:`describe` (backend, devices, why) once per machine on stderr, and ``launch`` says so on
+stderr when an accelerator is present but the ranks fall back to the CPU. On a CPU-only machine
+``launch`` prints nothing (the lectures' stored outputs stay free of device names).
 
 Two ways in, one initialisation path:
     * ``course_lib.dist.launch`` spawns ranks itself and calls :func:`init` with a store;
@@ -29,6 +35,8 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import sys
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -48,31 +56,79 @@ def accelerator_type() -> str | None:
     return torch.accelerator.current_accelerator().type
 
 
-def _accelerator_backend() -> str | None:
-    kind = accelerator_type()
-    return None if kind is None else dist.get_default_backend_for_device(kind)
+@dataclass(frozen=True)
+class Choice:
+    """What the rule decided for this machine, and why (``why`` is a sentence a learner can act on)."""
+
+    backend: str
+    device_type: str  # "cpu" or the accelerator's type; the index is the local rank
+    why: str
+    fell_back: bool = False  # an accelerator is present but the ranks run on the CPU
 
 
-def backend() -> str:
-    """The accelerator's backend ("nccl" on CUDA) when every local rank can have a device of its own,
-    "gloo" otherwise."""
-    native = _accelerator_backend()
-    forced = os.environ.get("COURSE_BACKEND")
+def decide(kind: str | None, count: int, local_ranks: int, forced: str | None) -> Choice:
+    """The rule, as a pure function of the machine (``kind``, ``count`` devices), the ranks on it and
+    ``COURSE_BACKEND``: tested on a CPU machine with pretend accelerators (``tests/test_dist.py``)."""
+    native = None if kind is None else dist.get_default_backend_for_device(kind)
+    devices = f"{count} {kind} device{'s' if count != 1 else ''}" if kind else "no accelerator"
+    ranks = f"{local_ranks} local rank{'s' if local_ranks != 1 else ''}"
     if forced:
         allowed = ["gloo", native or "nccl"]
         if forced not in allowed:
             raise ValueError(f"COURSE_BACKEND={forced!r}: use {' or '.join(repr(a) for a in allowed)}")
-        return forced
-    if native is not None and torch.accelerator.device_count() >= local_world_size():
-        return native
-    return "gloo"
+        if forced == "gloo":
+            return Choice("gloo", "cpu", f"COURSE_BACKEND=gloo: CPU ranks ({ranks}; {devices} unused)")
+        if native is None or count < local_ranks:
+            raise RuntimeError(
+                f"COURSE_BACKEND={forced} needs one {kind or 'GPU'} device per local rank, but this machine has "
+                f"{devices} for {ranks}. Start at most {count} rank(s) per machine (accelerate launch "
+                f"--num_processes {count}, or launch(fn, {count})), or unset COURSE_BACKEND to run the ranks on the "
+                "CPU over gloo."
+            )
+        return Choice(forced, kind, f"COURSE_BACKEND={forced}: one {kind} device per rank ({ranks}, {devices})")
+    if native is None:
+        return Choice("gloo", "cpu", f"{devices}: CPU ranks over gloo ({ranks})")
+    if count >= local_ranks:
+        return Choice(native, kind, f"{ranks}, {devices}: one device per rank over {native}")
+    return Choice(
+        "gloo",
+        "cpu",
+        f"{ranks} but {devices}: {native} needs a device of its own per rank, so the ranks run on the CPU over "
+        f"gloo. To use the {kind} devices, start at most {count} rank(s) per machine (accelerate launch "
+        f"--num_processes {count}); COURSE_BACKEND=gloo says that CPU ranks are meant",
+        fell_back=True,
+    )
+
+
+def choice(local_ranks: int | None = None) -> Choice:
+    """The rule applied to this machine: its accelerator, ``local_ranks`` (default: this process's
+    launcher's count), ``COURSE_BACKEND``."""
+    kind = accelerator_type()
+    count = torch.accelerator.device_count() if kind else 0
+    ranks = local_world_size() if local_ranks is None else local_ranks
+    return decide(kind, count, ranks, os.environ.get("COURSE_BACKEND") or None)
+
+
+def describe(world: int | None = None, local_ranks: int | None = None) -> str:
+    """One line for stderr: which backend and devices the ranks use, and why."""
+    c = choice(local_ranks)
+    ranks = f"{world} rank{'s' if world != 1 else ''}: " if world is not None else ""
+    where = "cpu" if c.device_type == "cpu" else f"{c.device_type}:<local rank>"
+    return f"course_lib.dist: {ranks}backend {c.backend}, device {where} ({c.why})"
+
+
+def backend() -> str:
+    """The accelerator's backend ("nccl" on CUDA) when every local rank can have a device of its own,
+    "gloo" otherwise (see :func:`decide`)."""
+    return choice().backend
 
 
 def device() -> torch.device:
     """The device this rank computes on: its own accelerator under the accelerator's backend, the CPU
     under gloo."""
-    if backend() != "gloo":
-        return torch.device(accelerator_type() or "cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    c = choice()
+    if c.device_type != "cpu":
+        return torch.device(c.device_type, int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
 
@@ -104,6 +160,9 @@ def init(
                 "course_lib.dist.launch(fn, world_size)"
             )
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            # A script started by accelerate launch / torchrun says once per machine what it runs on.
+            print(describe(world_size), file=sys.stderr, flush=True)
     # gloo picks a network interface by resolving the host name; on a laptop or a container that
     # can be an unreachable address. Loopback is always right for single-machine runs.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

@@ -13,7 +13,11 @@ on one axis. On a GPU the work is asynchronous, so a span can ask for ``sync=Tru
 device before reading the clock (a no-op on CPU).
 
 Communication spans of asynchronous collectives end when their ``wait()`` returns: that is when
-the rank *knows* the data arrived, which is the moment overlap is about.
+the rank *knows* the data arrived, which is the moment overlap is about. On a GPU, a collective's
+host call and even its ``wait()`` return once the work is queued on the device's stream (NCCL's
+``wait`` makes the *compute stream* wait, not the host), so there a comm span measures the enqueue
+and carries ``ends="enqueued"`` in its meta; time a collective's transfer with
+:func:`course_lib.dist.timing.clock` around it.
 
 **Exporting** (:func:`to_chrome`, :func:`write`, :func:`write_from_ranks`): the timelines of all ranks
 become one JSON file in the Chrome trace-event format ("Trace Event Format", Google, the format
@@ -80,6 +84,10 @@ class Timeline:
     def observe(self, op: str, group: str, nbytes: int, **info):
         """The interception's callback: a comm span that ends when the operation (or its wait) returns.
         ``info``: a point-to-point call's ``peer`` and ``tag``, from which an exported trace draws its arrows."""
+        if runtime.device().type != "cpu":
+            # A GPU runs the collective on its own stream: the host call (or its wait()) returns once
+            # the work is queued, so on a device the span's end marks the enqueue, and says so.
+            info = {**info, "ends": "enqueued"}
         s = self.add(op, "comm", now(), now(), group=group, bytes=nbytes, **info)
 
         def finish() -> None:
@@ -92,7 +100,7 @@ _ACTIVE: list[Timeline] = []
 
 
 def now() -> float:
-    return time.perf_counter()
+    return time.perf_counter()  # host: a span's moments are host moments (sync=True waits for the device first)
 
 
 def active() -> Timeline | None:
