@@ -37,7 +37,7 @@ from course_lib.checkpoint import (
     zero_state_dict,
 )
 from course_lib.cost import checkpoint as cost
-from course_lib.dist import launch
+from course_lib.dist import device, launch
 from course_lib.measure import checkpoint as harness
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer
@@ -270,22 +270,24 @@ def test_checkpoint_interval_formulas():
 
 def _odd_model():
     torch.manual_seed(0)  # unit sizes 20, 42, 8 and 2: uneven shards at 4 ranks, and empty ones (2 over 4)
-    return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 7), nn.Linear(7, 1), nn.Linear(1, 2))
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 7), nn.Linear(7, 1), nn.Linear(1, 2))
+    return model.to(device())  # Zero keeps its shards on device()
 
 
 CASES = [(0, "fp32"), (1, "fp32"), (2, "bf16"), (3, "fp32"), (3, "bf16")]
 
 
 def _odd_step(model, zero, seed):
+    # host: drawn on the host so every machine gets the same numbers, then moved to the rank's device
     x = torch.randn(4, 3, generator=torch.Generator().manual_seed(seed + dist.get_rank()))
-    model(x.to(zero.dtype)).float().pow(2).mean().backward()
+    model(x.to(device(), zero.dtype)).float().pow(2).mean().backward()
     zero.step()
     zero.zero_grad()
 
 
 def _save_odd(root):
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device().type, (world,))
     out = {"rule": [], "saved": {}}
     for stage, precision in CASES:
         model = _odd_model()
@@ -297,8 +299,8 @@ def _save_odd(root):
         if stage == 1:  # DTensor's own split of each unit against the range Zero's shard holds
             for u in zero.units:
                 start = rank * u.shard
-                mine = torch.arange(start, start + max(0, min(u.shard, u.numel - start)))
-                theirs = distribute_tensor(torch.arange(u.numel), mesh, [Shard(0)]).to_local()
+                mine = torch.arange(start, start + max(0, min(u.shard, u.numel - start)), device=device())
+                theirs = distribute_tensor(torch.arange(u.numel, device=device()), mesh, [Shard(0)]).to_local()
                 out["rule"].append((u.name, torch.equal(mine, theirs)))
     return out
 
@@ -308,6 +310,7 @@ def _load_odd(root):
     for stage, precision in CASES:
         torch.manual_seed(1)
         model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 7), nn.Linear(7, 1), nn.Linear(1, 2))
+        model = model.to(device())  # Zero keeps its shards on device()
         zero = Zero(model, stage, lr=1e-2, precision=precision)  # other weights: the load must replace them all
         state = zero_state_dict(zero)
         sharded.load(f"{root}/{stage}-{precision}/step_00000002", state)
@@ -367,7 +370,7 @@ def _refusals(paths):
     """Try to load each damaged checkpoint into a fresh ZeRO; the CorruptCheckpoint message of each, or None."""
     out = []
     for path in paths:
-        zero = Zero(Transformer(configs.get("tiny", **harness.MODEL)), 2)
+        zero = Zero(Transformer(configs.get("tiny", **harness.MODEL)).to(device()), 2)
         try:
             sharded.load(path, zero_state_dict(zero))
             out.append(None)

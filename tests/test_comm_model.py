@@ -37,7 +37,7 @@ from course_lib.cost.comm import (
     tp_step_comm_seconds,
     tree_all_reduce_seconds,
 )
-from course_lib.dist import launch
+from course_lib.dist import device, launch
 from course_lib.measure.collectives import (
     COLLECTIVES,
     message_sizes,
@@ -177,7 +177,8 @@ def test_alpha_beta_predicts_held_out_sizes_within_25_percent(timed_and_fitted, 
 
 def _tree_vs_all_reduce():
     g = torch.Generator().manual_seed(dist.get_rank())
-    x = torch.randint(-100, 100, (12,), generator=g).float()
+    # host: drawn on the host (the generator is a CPU one), then moved to the rank's device
+    x = torch.randint(-100, 100, (12,), generator=g).float().to(device())
     want = x.clone()
     dist.all_reduce(want)
     tree_all_reduce(x, torch.empty_like(x))
