@@ -17,7 +17,7 @@ difference of a near-zero gradient into a full-size step, which says nothing abo
 import pytest
 import torch
 
-from course_lib.dist import launch
+from course_lib.dist import device, launch
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.compose import Composed, Layout, check_layout, sgd_one_process
@@ -35,6 +35,7 @@ def _batches():
     g = torch.Generator().manual_seed(3)
     out = []
     for _ in range(STEPS):
+        # host: the same batches in the parent's reference and on every rank; ranks move them to their device
         t = torch.randint(0, 64, (G, S + 1), generator=g)
         out.append((t[:, :-1], t[:, 1:]))
     return out
@@ -45,11 +46,11 @@ def _reference(make=_model):
 
 
 def _composed_rank(layout, make=_model):
-    composed = Composed(make(), layout, G)
+    composed = Composed(make().to(device()), layout, G)
     opt = torch.optim.SGD(composed.parameters(), lr=LR)
     losses = []
-    for x, y in _batches():
-        losses.append(composed.step(x, y))
+    for x, y in _batches():  # drawn on the host, as the one-process reference draws them
+        losses.append(composed.step(x.to(device()), y.to(device())))
         opt.step()
         opt.zero_grad()
     return losses, composed.dense_state()

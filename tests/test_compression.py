@@ -19,7 +19,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from course_lib.cost.comm import powersgd_comm_bytes, qsgd_comm_bytes, sign_comm_bytes, topk_comm_bytes
-from course_lib.dist import counter, launch
+from course_lib.dist import counter, device, launch
 from course_lib.measure import compression as compression_runs
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer, next_token_loss
@@ -56,7 +56,7 @@ def _expected_bytes(name: str, shapes: list[tuple[int, ...]], state) -> int:
 
 def _shard(batch):
     r, w = dist.get_rank(), dist.get_world_size()
-    return tuple(split_batch(t, r, w) for t in batch)
+    return tuple(split_batch(t, r, w).to(device()) for t in batch)  # the global batch is drawn on the host
 
 
 def _bucket(tensors, index=0, is_last=True) -> GradBucket:
@@ -105,7 +105,7 @@ def test_bad_settings_say_what_is_allowed():
 def _count_one_step(name, batch):
     make, hook = HOOKS[name]
     torch.manual_seed(0)
-    model = DistributedDataParallel(Transformer(configs.get("tiny")), bucket_cap_mb=CAP_MB)
+    model = DistributedDataParallel(Transformer(configs.get("tiny")).to(device()), bucket_cap_mb=CAP_MB)
     state = make()
     model.register_comm_hook(state, hook)
     x, y = _shard(batch)
@@ -143,9 +143,10 @@ N, STEPS = 200, 60
 
 
 def _gradients(step: int, rank: int) -> torch.Tensor:
-    """A persistent direction μ (the same on every rank and step) plus per-rank, per-step noise."""
+    """A persistent direction μ (the same on every rank and step) plus per-rank, per-step noise; drawn on
+    the host (the same numbers on any machine), returned on the rank's device."""
     mu = 0.3 * torch.randn(N, generator=torch.Generator().manual_seed(1234))
-    return mu + torch.randn(N, generator=torch.Generator().manual_seed(1000 * step + rank))
+    return (mu + torch.randn(N, generator=torch.Generator().manual_seed(1000 * step + rank))).to(device())
 
 
 def _accumulate(name):
@@ -154,7 +155,8 @@ def _accumulate(name):
     state, world = make(), dist.get_world_size()
     if name.startswith("topk"):
         state.ratio = 0.05
-    applied, true, worst = torch.zeros(N, dtype=torch.float64), torch.zeros(N, dtype=torch.float64), 0.0
+    applied = torch.zeros(N, dtype=torch.float64, device=device())
+    true, worst = torch.zeros_like(applied), 0.0
     for t in range(STEPS):
         g = _gradients(t, dist.get_rank())
         shapes = [g[:120].view(12, 10), g[120:]]  # a matrix and a vector, for PowerSGD
@@ -163,7 +165,7 @@ def _accumulate(name):
         true += sum(_gradients(t, r).double() for r in range(world)) / world
         worst = max(worst, float(g.abs().max()))
     residuals = getattr(state, "residuals", None) or getattr(state, "error_dict", {})
-    e = residuals.get(0, torch.zeros(N)).clone()
+    e = residuals.get(0, torch.zeros(N, device=device())).clone()
     worst_e = float(e.abs().max())
     dist.all_reduce(e)
     return applied, true, (e / world).double(), worst + worst_e
@@ -209,7 +211,7 @@ def _powersgd_side_by_side(rank):
     worst = []
     for step in range(3):
         gen = torch.Generator().manual_seed(100 * step + dist.get_rank())
-        grads = [torch.randn(s, generator=gen) for s in SHAPES]
+        grads = [torch.randn(s, generator=gen).to(device()) for s in SHAPES]  # drawn on the host, as any machine
         a = powersgd_hook(ours, _bucket(grads, is_last=True)).wait()
         b = torch_powersgd.powerSGD_hook(theirs, _bucket(grads, is_last=True)).wait()
         worst.append((float((a - b).abs().max()), float(b.abs().max())))
@@ -238,7 +240,7 @@ def test_course_powersgd_equals_torch_powersgd(rank):
 
 def _same_hook_both_ddps(name, batches):
     torch.manual_seed(0)
-    base = Transformer(configs.get("tiny"))
+    base = Transformer(configs.get("tiny")).to(device())
     ours = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=CAP_MB)
     ref = TorchDDP(copy.deepcopy(base), bucket_cap_mb=CAP_MB)
     x, y = _shard(batches[0])
@@ -311,7 +313,7 @@ def test_every_training_step_sends_the_same_compressed_payload():
 
 
 def _register_twice():
-    model = DistributedDataParallel(torch.nn.Linear(2, 2))
+    model = DistributedDataParallel(torch.nn.Linear(2, 2).to(device()))
     model.register_comm_hook(None, default_hooks.allreduce_hook)
     try:
         model.register_comm_hook(None, default_hooks.allreduce_hook)
