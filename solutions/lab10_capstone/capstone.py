@@ -221,7 +221,8 @@ def step(part: Part, tokens: torch.Tensor, targets: torch.Tensor) -> float | Non
             g.copy_(piece.view_as(g))
     if not part.stage.last:
         return None
-    loss = torch.tensor(sum(result.losses.values()) / ly.m)
+    device = next(part.stage.parameters()).device  # the dp all-reduce needs it where the collectives run
+    loss = torch.tensor(sum(result.losses.values()) / ly.m, device=device)
     if ly.dp > 1:
         dist.all_reduce(loss, group=dp)
         loss /= ly.dp

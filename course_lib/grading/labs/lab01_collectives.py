@@ -11,12 +11,13 @@ grader passes the learner's ``collectives.py``. course_lib has no ring collectiv
 code calls torch.distributed's), so no test runs these checks against the library.
 """
 
+import math
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from course_lib.dist import counter, launch
+from course_lib.dist import counter, device, launch
 from course_lib.grading.adapter import Adapter
 from course_lib.grading.grade import Task
 
@@ -47,10 +48,13 @@ def _collectives_used(c) -> set[str]:
 
 
 def _data(numel: int, integer: bool, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed + 1000 * dist.get_rank())
+    """This rank's test data on its device, drawn on the host so every machine grades the same numbers."""
+    g = torch.Generator().manual_seed(seed + 1000 * dist.get_rank())  # host: the same draw on every machine
     if integer:
-        return torch.randint(-100, 100, (numel,), generator=g).float()
-    return torch.randn(numel, generator=g)
+        x = torch.randint(-100, 100, (numel,), generator=g).float()  # host: drawn with g, moved below
+    else:
+        x = torch.randn(numel, generator=g)  # host: drawn with g, moved below
+    return x.to(device())
 
 
 def _reduce_scatter(impl: Adapter, numel: int, integer: bool):
@@ -67,13 +71,13 @@ def _all_gather(impl: Adapter, numel: int, integer: bool):
     shard = _data(numel, integer)
     with counter.count() as c:
         mine = impl["ring_all_gather"](shard.clone())
-    expected = torch.empty(numel * dist.get_world_size())
+    expected = torch.empty(numel * dist.get_world_size(), device=device())
     dist.all_gather_single(expected, shard)
     return mine, expected, _sent(c), _collectives_used(c), expected.numel() * expected.element_size()
 
 
 def _all_reduce(impl: Adapter, shape, integer: bool, transpose: bool = False):
-    x = _data(int(torch.tensor(shape).prod()), integer).view(shape)
+    x = _data(math.prod(shape), integer).view(shape)
     if transpose:
         x = x.t()  # not contiguous: the result must still land in the caller's tensor
     mine = x.clone() if not transpose else x.clone().t().contiguous().t()

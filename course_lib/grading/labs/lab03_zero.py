@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course_lib.cost.comm import ring_wire_bytes, zero_comm_bytes
 from course_lib.cost.memory import zero_model_state_bytes
-from course_lib.dist import counter, launch
+from course_lib.dist import counter, device, launch
 from course_lib.dist.census import held_bytes
 from course_lib.grading.adapter import Adapter
 from course_lib.grading.grade import Task
@@ -47,10 +47,11 @@ SIZE_TOL = 0.05
 
 
 def _model(kind):
+    """The model, initialised on the host (the same weights on every machine), on the rank's device."""
     torch.manual_seed(0)
     if kind == "odd":
-        return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 7), nn.Linear(7, 1))
-    return Transformer(configs.get("tiny"))
+        return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 7), nn.Linear(7, 1)).to(device())
+    return Transformer(configs.get("tiny")).to(device())
 
 
 def _loss(model, x, kind):
@@ -60,8 +61,8 @@ def _loss(model, x, kind):
 
 
 def _tokens(steps):
-    g = torch.Generator().manual_seed(1 + dist.get_rank())
-    return [torch.randint(0, 64, (2, 17), generator=g) for _ in range(steps)]
+    g = torch.Generator().manual_seed(1 + dist.get_rank())  # host: the same tokens on every machine
+    return [torch.randint(0, 64, (2, 17), generator=g).to(device()) for _ in range(steps)]  # host: drawn with g
 
 
 def _train(impl: Adapter, stage, kind, steps):
@@ -128,9 +129,9 @@ def check_padding(impl: Adapter) -> None:
         assert got == want, (
             f"padded_size({numel}, {n}) = {got}: the smallest multiple of {n} that holds {numel} is {want}"
         )
-    flat = torch.arange(12.0)
+    flat = torch.arange(12.0)  # host: the grader's own process, no rank and no collective
     piece = shard_of(flat, 2, 4)
-    assert torch.equal(piece, torch.tensor([6.0, 7.0, 8.0])), (
+    assert torch.equal(piece, torch.tensor([6.0, 7.0, 8.0])), (  # host: compared with piece, on the host
         f"shard_of(arange(12), 2, 4) = {piece.tolist()}, expected [6, 7, 8]"
     )
     assert piece.data_ptr() == flat.data_ptr() + 6 * 4, "shard_of must return a view of the flat buffer, not a copy"

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from course_lib.dist import counter, launch
+from course_lib.dist import counter, device, launch
 from course_lib.grading.adapter import Adapter
 from course_lib.grading.grade import Task
 
@@ -53,11 +53,24 @@ def _rel(got, want) -> float:
 
 
 def _randn(seed, *shape):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    """Normal data on the rank's device, drawn on the host so every machine grades the same numbers."""
+    g = torch.Generator().manual_seed(seed)  # host: the same draw on every machine
+    return torch.randn(*shape, generator=g).to(device())  # host: drawn with g, moved to the device
+
+
+def _tokens(seed, *shape):
+    """Token ids in [0, 64) on the rank's device, drawn on the host like :func:`_randn`."""
+    g = torch.Generator().manual_seed(seed)  # host: the same draw on every machine
+    return torch.randint(0, 64, shape, generator=g).to(device())  # host: drawn with g, moved to the device
 
 
 def _slice(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.chunk(dist.get_world_size(), dim)[dist.get_rank()]
+
+
+def _filled(value: float) -> torch.Tensor:
+    """Four ``value``s, for the grader's process to compare with the ranks' results."""
+    return torch.full((4,), value)  # host: launch returns the ranks' tensors on the host
 
 
 def _shape_ok(got, want, what):
@@ -71,12 +84,12 @@ def _shape_ok(got, want, what):
 def _f_and_g(impl: Adapter):
     f, g = impl["f"], impl["g"]
     r, group = dist.get_rank(), dist.group.WORLD
-    x = torch.full((4,), float(r + 1), requires_grad=True)
+    x = torch.full((4,), float(r + 1), device=device(), requires_grad=True)
     with counter.count() as c1:
         y = f(x, group)
     with counter.count() as c2:
         (y * (r + 1)).sum().backward()
-    x2 = torch.full((4,), float(r + 1), requires_grad=True)
+    x2 = torch.full((4,), float(r + 1), device=device(), requires_grad=True)
     with counter.count() as c3:
         z = g(x2, group)
     with counter.count() as c4:
@@ -87,7 +100,7 @@ def _f_and_g(impl: Adapter):
 def _linears(impl: Adapter, seed):
     group = dist.group.WORLD
     torch.manual_seed(seed)
-    dense = impl["DenseMLP"](16, 64)
+    dense = impl["DenseMLP"](16, 64).to(device())  # initialised on the host: the same weights everywhere
     x = _randn(seed, 3, 5, 16).requires_grad_(True)
     dy = _randn(seed + 1, 3, 5, 16)
     (dense(x) * dy).sum().backward()
@@ -120,7 +133,7 @@ def _linears(impl: Adapter, seed):
 
 def _mlp(impl: Adapter, seed):
     torch.manual_seed(seed)
-    dense = impl["DenseMLP"](16, 64)
+    dense = impl["DenseMLP"](16, 64).to(device())  # initialised on the host: the same weights everywhere
     mlp = impl["ParallelMLP"](dense, dist.group.WORLD)
     x = _randn(seed, 3, 5, 16).requires_grad_(True)
     xp = x.detach().clone().requires_grad_(True)
@@ -142,9 +155,9 @@ def _mlp(impl: Adapter, seed):
 
 def _embedding(impl: Adapter, seed):
     torch.manual_seed(seed)
-    dense = torch.nn.Embedding(64, 8)
+    dense = torch.nn.Embedding(64, 8).to(device())  # initialised on the host: the same weights everywhere
     emb = impl["VocabParallelEmbedding"].from_dense(dense, dist.group.WORLD)
-    tokens = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(seed))
+    tokens = _tokens(seed, 4, 9)
     dy = _randn(seed, 4, 9, 8)
     (dense(tokens) * dy).sum().backward()
     with counter.count() as fwd:
@@ -159,7 +172,7 @@ def _embedding(impl: Adapter, seed):
 
 def _cross_entropy(impl: Adapter, seed):
     logits = (_randn(seed, 6, 7, 64) * 5).requires_grad_(True)  # large logits: the max matters
-    targets = torch.randint(0, 64, (6, 7), generator=torch.Generator().manual_seed(seed))
+    targets = _tokens(seed, 6, 7)
     want = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
     want.backward()
     local = _slice(logits.detach(), -1).clone().requires_grad_(True)
@@ -191,13 +204,13 @@ def check_f_and_g(impl: Adapter) -> None:
     for world in WORLDS:
         total = world * (world + 1) / 2
         for r, (y, xg, z, x2g, x2, calls) in enumerate(launch(_f_and_g, world, impl, timeout=30)):
-            assert torch.equal(y, torch.full((4,), r + 1.0)), f"f must be the identity forward (rank {r}, t={world})"
-            assert xg is not None and torch.equal(xg, torch.full((4,), total)), (
+            assert torch.equal(y, _filled(r + 1.0)), f"f must be the identity forward (rank {r}, t={world})"
+            assert xg is not None and torch.equal(xg, _filled(total)), (
                 f"f's backward must all-reduce (sum) the gradient: rank {r} of {world} got {xg}, expected {total}"
             )
-            assert torch.equal(z, torch.full((4,), total)), f"g must all-reduce (sum) forward: rank {r} got {z}"
-            assert torch.equal(x2, torch.full((4,), r + 1.0)), "g must not modify its input in place: reduce a copy"
-            assert x2g is not None and torch.equal(x2g, torch.full((4,), r + 1.0)), "g's backward must be the identity"
+            assert torch.equal(z, _filled(total)), f"g must all-reduce (sum) forward: rank {r} got {z}"
+            assert torch.equal(x2, _filled(r + 1.0)), "g must not modify its input in place: reduce a copy"
+            assert x2g is not None and torch.equal(x2g, _filled(r + 1.0)), "g's backward must be the identity"
             assert calls == [0, 1, 1, 0], (
                 f"collectives in f fwd, f bwd, g fwd, g bwd should be [0, 1, 1, 0], got {calls}"
             )

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.cost.pipeline import bubble_fraction, in_flight_microbatches, p2p_bytes_per_step
-from course_lib.dist import counter, launch
+from course_lib.dist import counter, device, launch
 from course_lib.grading.adapter import Adapter
 from course_lib.grading.grade import Task
 from course_lib.model import config as configs
@@ -259,12 +259,12 @@ def _step(schedules: list[Schedule], seed: int = 0) -> list[dict]:
     for schedule in schedules:
         cfg = configs.get("tiny", n_layers=schedule.n_stages)  # one transformer block per stage
         torch.manual_seed(seed)
-        reference = Transformer(cfg)
+        reference = Transformer(cfg).to(device())  # initialised on the host: the same weights everywhere
         parts = stages.split(reference, schedule.n_stages)  # every rank builds all; keeps its own
         mine = {s: parts[s] for s in schedule.stages_of(dist.get_rank())}
-        tokens = torch.randint(
-            0, cfg.vocab_size, (schedule.m, BATCH, SEQ + 1), generator=torch.Generator().manual_seed(seed + 1)
-        )
+        g = torch.Generator().manual_seed(seed + 1)  # host: the same tokens on every machine
+        tokens = torch.randint(0, cfg.vocab_size, (schedule.m, BATCH, SEQ + 1), generator=g)  # host: drawn with g
+        tokens = tokens.to(device())
         xs, ys = tokens[:, :, :-1], tokens[:, :, 1:]
         with counter.count() as c:
             result = runtime.run_step(schedule, mine, xs, ys, next_token_loss, (BATCH, SEQ, cfg.d_model))

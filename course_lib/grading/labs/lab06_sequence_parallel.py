@@ -59,8 +59,10 @@ P2P = {"isend", "irecv", "send", "recv"}
 
 
 def inputs(seq_len, h=H, hkv=HKV):
-    g = torch.Generator().manual_seed(6)
-    return [torch.randn(B, n, seq_len, D, generator=g) for n in (h, hkv, hkv, h)]
+    """q, k, v and the upstream gradient w, drawn on the host: the grader's reference uses them there, and
+    each rank moves its shard to its device (so every machine grades the same numbers)."""
+    g = torch.Generator().manual_seed(6)  # host: the same draw on every machine
+    return [torch.randn(B, n, seq_len, D, generator=g) for n in (h, hkv, hkv, h)]  # host: drawn with g
 
 
 def reference(seq_len, h=H, hkv=HKV):

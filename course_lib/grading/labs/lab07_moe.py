@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from course_lib.dist import counter, launch
+from course_lib.dist import counter, device, launch
 from course_lib.grading.adapter import Adapter
 from course_lib.grading.grade import Task
 from course_lib.model import moe
@@ -48,6 +48,9 @@ E, D, FF = 8, 16, 32  # experts, model width, expert width
 T_EP = 24  # tokens per rank in the expert-parallel checks
 EP = 2  # ranks of the expert-parallel checks
 U = 2.0**-24  # unit roundoff of fp32
+# The router and auxiliary-loss checks run in the grader's own process, not on ranks: on the host, where the
+# learner's Router and MoE are built (they take no device), with the same numbers on every machine.
+GRADER = torch.device("cpu")
 
 # Gate weights: fp32 softmax has each score within (E + 2)·u relatively of the exact one (exp, an
 # E-term sum, a division: Higham, "Accuracy and Stability of Numerical Algorithms", §3), and
@@ -75,9 +78,11 @@ BALANCE_STEPS, BALANCE_COEF, BALANCE_RATIO = 30, 0.1, 0.75
 
 
 def tokens(t: int, seed: int, offset: float = 1.0) -> torch.Tensor:
-    """t tokens [t, D]: Gaussian, plus one offset shared by all, so that the router starts unbalanced."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(t, D, generator=g) + offset * torch.randn(D, generator=g)
+    """t tokens [t, D]: Gaussian, plus one offset shared by all, so that the router starts unbalanced.
+
+    Drawn on the host, so every machine grades the same numbers; a rank moves them to its device."""
+    g = torch.Generator().manual_seed(seed)  # host: the same draw on every machine
+    return torch.randn(t, D, generator=g) + offset * torch.randn(D, generator=g)  # host: drawn with g
 
 
 def _by_expert(experts, *others):
@@ -98,7 +103,7 @@ def reference_routing(logits: torch.Tensor, k: int, capacity_factor: float | Non
     weights = p.gather(1, experts)
     if k > 1:
         weights = weights / weights.sum(-1, keepdim=True)
-    kept = torch.ones(t, k, dtype=torch.bool)
+    kept = torch.ones(t, k, dtype=torch.bool, device=p.device)
     if capacity_factor is not None:
         cap = math.ceil(capacity_factor * t * k / p.shape[-1])
         seen = [0] * p.shape[-1]
@@ -117,9 +122,9 @@ def _route(impl: Adapter, t: int, k: int, cf: float | None, seed: int):
     assert isinstance(gate, nn.Linear) and gate.weight.shape == (E, D), (
         "Router must keep its gate as self.gate = nn.Linear(d_model, n_experts, bias=False) (given)"
     )
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=GRADER).manual_seed(seed)
     with torch.no_grad():
-        gate.weight.copy_(torch.randn(E, D, generator=g) / D**0.5)
+        gate.weight.copy_(torch.randn(E, D, generator=g, device=GRADER) / D**0.5)
     x = tokens(t, seed)
     routing = router(x)
     for name in ("experts", "weights", "kept", "scores"):
@@ -189,19 +194,20 @@ def check_router_capacity(impl: Adapter) -> None:
 
 def _random_routing(t=64, k=2, seed=11) -> moe.Routing:
     """Scores [t, E] as a leaf that requires grad, top-k experts, and a quarter of the assignments dropped."""
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(t, E, generator=g) * 2 + torch.randn(E, generator=g)
+    g = torch.Generator(device=GRADER).manual_seed(seed)
+    logits = torch.randn(t, E, generator=g, device=GRADER) * 2 + torch.randn(E, generator=g, device=GRADER)
     scores = logits.softmax(-1).requires_grad_()
     weights, experts = scores.detach().topk(k, dim=-1)
-    kept = torch.rand(t, k, generator=g) > 0.25
+    kept = torch.rand(t, k, generator=g, device=GRADER) > 0.25
     return moe.Routing(experts, weights, kept, scores, logits)
 
 
 def _balanced_routing(t=16, k=2) -> moe.Routing:
     """Every expert gets the same share of assignments and the same mean score 1/E (exact in binary)."""
-    experts = (torch.arange(t * k) % E).view(t, k)
-    scores = torch.full((t, E), 1 / E)
-    return moe.Routing(experts, torch.full((t, k), 1 / k), torch.ones(t, k, dtype=torch.bool), scores, scores.log())
+    experts = (torch.arange(t * k, device=GRADER) % E).view(t, k)
+    scores = torch.full((t, E), 1 / E, device=GRADER)
+    weights = torch.full((t, k), 1 / k, device=GRADER)
+    return moe.Routing(experts, weights, torch.ones(t, k, dtype=torch.bool, device=GRADER), scores, scores.log())
 
 
 def check_aux_loss(impl: Adapter) -> None:
@@ -226,11 +232,11 @@ def check_aux_loss(impl: Adapter) -> None:
     one = aux(_balanced_routing(), E).item()
     assert one == 1.0, f"at perfect balance (f_i = P_i = 1/E) the loss is exactly 1, not {one!r}: check the factor E"
     skewed = moe.Routing(
-        torch.zeros(16, 1, dtype=torch.long),
-        torch.ones(16, 1),
-        torch.ones(16, 1, dtype=torch.bool),
-        torch.eye(E)[torch.zeros(16, dtype=torch.long)],
-        torch.zeros(16, E),
+        torch.zeros(16, 1, dtype=torch.long, device=GRADER),
+        torch.ones(16, 1, device=GRADER),
+        torch.ones(16, 1, dtype=torch.bool, device=GRADER),
+        torch.eye(E, device=GRADER)[torch.zeros(16, dtype=torch.long, device=GRADER)],
+        torch.zeros(16, E, device=GRADER),
     )
     worst = aux(skewed, E).item()
     assert worst == E, f"when one expert takes every token with probability 1 the loss is E = {E}, not {worst!r}"
@@ -285,8 +291,8 @@ def _identity_rank(impl: Adapter, k: int):
     rank, ep = dist.get_rank(), dist.get_world_size()
     per = E // ep
     torch.manual_seed(0)
-    router = moe.Router(D, E, k, capacity_factor=1.0)
-    xs = [tokens(T_EP, 20 + r) for r in range(ep)]
+    router = moe.Router(D, E, k, capacity_factor=1.0).to(device())  # initialised on the host: same weights everywhere
+    xs = [tokens(T_EP, 20 + r).to(device()) for r in range(ep)]
     routings = [router(x) for x in xs]  # every rank routes every rank's tokens: it knows what it must receive
     x, routing = xs[rank], routings[rank]
     routing.weights = torch.ones_like(routing.weights)
@@ -336,11 +342,12 @@ def _ep_rank(impl: Adapter):
     out = []
     for k, cf in EP_CASES:
         torch.manual_seed(0)
-        reference = moe.MoE(D, FF, E, k, capacity_factor=cf)
+        reference = moe.MoE(D, FF, E, k, capacity_factor=cf).to(device())  # initialised on the host: same weights
         model = copy.deepcopy(reference)
-        xs = [tokens(T_EP, 30 + r, offset=0.0) for r in range(ep)]  # spread: every expert gets rows
-        g = torch.Generator().manual_seed(40)
-        upstream = [torch.randn(T_EP, D, generator=g) for _ in range(ep)]  # dL/dy: L = Σ y · upstream
+        xs = [tokens(T_EP, 30 + r, offset=0.0).to(device()) for r in range(ep)]  # spread: every expert gets rows
+        g = torch.Generator().manual_seed(40)  # host: the same draw on every machine
+        # dL/dy: L = Σ y · upstream, drawn with g on the host
+        upstream = [torch.randn(T_EP, D, generator=g).to(device()) for _ in range(ep)]  # host: drawn with g
 
         # one rank: every rank's batch routed on its own (capacity counts per batch), with all experts
         ref_x = [x.clone().requires_grad_() for x in xs]

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from course_lib.dist import counter, launch
+from course_lib.dist import counter, device, launch
 from course_lib.dist.mesh import AXES
 from course_lib.grading.adapter import Adapter
 from course_lib.grading.grade import Task
@@ -106,10 +106,12 @@ def _model() -> Transformer:
 
 
 def _batches():
-    g = torch.Generator().manual_seed(3)
+    """STEPS global batches (x, y) on the host: every machine draws the same tokens, for the one-process
+    reference here and for the ranks, which move them to their device."""
+    g = torch.Generator().manual_seed(3)  # host: the same tokens on every machine
     out = []
     for _ in range(STEPS):
-        t = torch.randint(0, 64, (G, S + 1), generator=g)
+        t = torch.randint(0, 64, (G, S + 1), generator=g)  # host: drawn with g
         out.append((t[:, :-1], t[:, 1:]))
     return out
 
@@ -138,7 +140,7 @@ def _rank(impl: Adapter, layouts, steps: int, gather: bool) -> list[dict]:
     """On each rank, for each layout: build, train ``steps`` SGD steps (counting the first), report."""
     rank, out = dist.get_rank(), []
     for layout in layouts:
-        part = impl["build"](_model(), layout, G)
+        part = impl["build"](_model().to(device()), layout, G)  # initialised on the host: the same weights
         got = {
             "coords": tuple(impl["coordinates"](rank, layout)),
             "numel": sum(p.numel() for p in part.stage.parameters()),
@@ -147,7 +149,7 @@ def _rank(impl: Adapter, layouts, steps: int, gather: bool) -> list[dict]:
             "traffic": None,
         }
         opt = torch.optim.SGD(part.stage.parameters(), lr=LR)
-        for i, (x, y) in enumerate(_batches()[:steps]):
+        for i, (x, y) in enumerate((x.to(device()), y.to(device())) for x, y in _batches()[:steps]):
             with counter.count() as c:
                 got["losses"].append(impl["step"](part, x, y))
             if i == 0:
@@ -179,7 +181,7 @@ def check_coordinates(impl: Adapter) -> None:
     for dp, tp, pp in ((2, 2, 2), (1, 2, 4), (4, 2, 1), (2, 1, 4), (8, 1, 1), (3, 2, 2), (2, 4, 3)):
         layout = Layout(dp=dp, tp=tp, pp=pp)
         # course_lib.dist.Mesh's grid (its axes dp, pp, cp, tp; cp = 1 here), built without process groups
-        grid = torch.arange(layout.world_size).view(dp, pp, 1, tp)
+        grid = torch.arange(layout.world_size).view(dp, pp, 1, tp)  # host: rank arithmetic in the grader's process
         assert AXES == ("dp", "pp", "cp", "tp")
         for rank in range(layout.world_size):
             d, s, _, t = ((grid == rank).nonzero()[0]).tolist()
