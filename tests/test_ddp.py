@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from course_lib import data
-from course_lib.dist import launch
+from course_lib.dist import device, launch
 from course_lib.measure.ddp import trace_step
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer, next_token_loss
@@ -46,7 +46,7 @@ def _global_batches(n: int, seed: int = 0):
 
 def _shard(batch):
     r, w = dist.get_rank(), dist.get_world_size()
-    return tuple(split_batch(t, r, w) for t in batch)
+    return tuple(split_batch(t, r, w).to(device()) for t in batch)  # the global batch is drawn on the host
 
 
 def _step(model, x, y):
@@ -56,7 +56,7 @@ def _step(model, x, y):
 def _models(cap_mb=CAP_MB, seed=0):
     """(ours, torch DDP, plain copy) from one initial model; torch DDP already past its warm-up."""
     torch.manual_seed(seed)
-    base = Transformer(configs.get("tiny"))
+    base = Transformer(configs.get("tiny")).to(device())
     ours = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=cap_mb)
     ref = TorchDDP(copy.deepcopy(base), bucket_cap_mb=cap_mb)
     x, y = _shard(_global_batches(1, seed=99)[0])
@@ -101,7 +101,8 @@ def test_pre_division_is_what_makes_three_ranks_bit_equal():
 
 
 def _layout_sensitivity():
-    x = torch.randn(1000, generator=torch.Generator().manual_seed(dist.get_rank()))
+    # host: drawn with a CPU generator (the same numbers on any machine), then moved to the rank's device
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(dist.get_rank())).to(device())
     whole, parts = x.clone(), x.clone()
     dist.all_reduce(whole)
     for part in parts.split(300):  # the same numbers, all-reduced as four buffers instead of one
@@ -122,7 +123,7 @@ def test_four_rank_sums_depend_on_the_bucket_layout():
 
 def _different_init():
     torch.manual_seed(dist.get_rank())  # every rank draws a different model
-    model = DistributedDataParallel(Transformer(configs.get("tiny")))
+    model = DistributedDataParallel(Transformer(configs.get("tiny")).to(device()))
     flat = torch.cat([t.flatten() for t in [*model.parameters(), *model.buffers()]])
     torch.manual_seed(0)
     rank0 = torch.cat([t.flatten() for t in [*Transformer(configs.get("tiny")).parameters()]])
@@ -162,7 +163,7 @@ def _against_single_process(steps: int):
         for opt in opts:
             opt.zero_grad(set_to_none=True)
         _step(ours, *_shard((x, y)))
-        _step(base, x, y)  # the whole global batch on one process
+        _step(base, x.to(device()), y.to(device()))  # the whole global batch on one process
         worst_grad = max(worst_grad, max(float((a - b).abs().max()) for a, b in zip(_grads(ours), _grads(base))))
         for opt in opts:
             opt.step()
@@ -207,9 +208,9 @@ class _Unused(torch.nn.Module):
 
 
 def _unused_parameter():
-    model = DistributedDataParallel(_Unused())
+    model = DistributedDataParallel(_Unused().to(device()))
     try:
-        model(torch.ones(1, 2)).sum().backward()
+        model(torch.ones(1, 2, device=device())).sum().backward()
     except RuntimeError as e:
         return str(e)
     return "no error"
