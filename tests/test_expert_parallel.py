@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.cost.comm import ep_dispatch_bytes
-from course_lib.dist import counter, launch
+from course_lib.dist import counter, device, launch
 from course_lib.model import moe
 from course_lib.parallel.expert.dispatch import combine, dispatch, local_experts
 
@@ -19,9 +19,10 @@ E, D, FF, T = 8, 16, 32, 24  # T tokens per rank
 def _ep_rank(k: int, shared: int):
     rank, ep = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    reference = moe.MoE(D, FF, E, k, n_shared=shared, score="sigmoid")
+    reference = moe.MoE(D, FF, E, k, n_shared=shared, score="sigmoid").to(device())
     model = copy.deepcopy(reference)
-    x_all = torch.randn(ep * T, D, generator=torch.Generator().manual_seed(1))
+    # host: drawn with a CPU generator (the same tokens on any machine), then moved to the rank's device
+    x_all = torch.randn(ep * T, D, generator=torch.Generator().manual_seed(1)).to(device())
     reference(x_all).square().sum().backward()  # the whole batch on one rank
 
     mine = x_all[rank * T : (rank + 1) * T]
@@ -68,8 +69,8 @@ def test_expert_parallel_equals_one_rank(ep):
 
 def _identity_rank():
     torch.manual_seed(dist.get_rank())
-    x = torch.randn(T, D)
-    router = moe.Router(D, E, 1, capacity_factor=1.0)
+    x = torch.randn(T, D, device=device())
+    router = moe.Router(D, E, 1, capacity_factor=1.0).to(device())
     routing = router(x)
     routing.weights = torch.ones_like(routing.weights)
     d = dispatch(x, routing, E)
@@ -85,8 +86,8 @@ def test_dispatch_then_combine_with_unit_weights_is_the_identity():
 
 
 def _bad_split():
-    x = torch.randn(4, D)
-    return dispatch(x, moe.Router(D, 6, 1)(x), 6)
+    x = torch.randn(4, D, device=device())
+    return dispatch(x, moe.Router(D, 6, 1).to(device())(x), 6)
 
 
 def test_experts_must_split_over_the_ranks():
