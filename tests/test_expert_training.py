@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.cost.comm import ep_dispatch_bytes, fp8_bytes_per_element
-from course_lib.dist import counter, launch
+from course_lib.dist import counter, device, launch
 from course_lib.measure import expert as measure
 from course_lib.model import moe
 from course_lib.parallel.expert.dispatch import combine, dispatch, local_experts
@@ -79,8 +79,9 @@ D, T, E = 256, 24, 8  # d_model 256: two 128-channel scale blocks per row
 
 def _fp8_rank():
     torch.manual_seed(dist.get_rank())
-    x = torch.randn(T, D) * torch.logspace(-3, 1, D)  # channels over four decades: subnormals appear
-    router = moe.Router(D, E, 2, score="sigmoid")
+    dev = device()
+    x = torch.randn(T, D, device=dev) * torch.logspace(-3, 1, D, device=dev)  # four decades: subnormals appear
+    router = moe.Router(D, E, 2, score="sigmoid").to(dev)
     with torch.no_grad():
         routing = router(x)
     ref = dispatch(x, routing, E)
@@ -88,7 +89,7 @@ def _fp8_rank():
         got = dispatch(x, routing, E, fp8=True)
     # straight-through backward: with no expert in between, the gradient through the FP8 dispatch is
     # exactly the gradient through the fp32 one
-    w = torch.randn(T, D)
+    w = torch.randn(T, D, device=dev)
     grads, backward_bytes = [], []
     for fp8 in (False, True):
         xg = x.clone().requires_grad_()
@@ -110,9 +111,10 @@ def _fp8_rank():
 
 def _starved_rank(fp8: bool):
     # every token of every rank goes to experts 0 and 1, which rank 0 holds: rank 1 receives 0 rows
-    x = torch.randn(T, D, generator=torch.Generator().manual_seed(dist.get_rank()), requires_grad=True)
-    experts = torch.tensor([[0, 1]]).repeat(T, 1)
-    ones = torch.ones(T, 2)
+    # host: drawn with a CPU generator (the same tokens on any machine), then moved to the rank's device
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(dist.get_rank())).to(device()).requires_grad_()
+    experts = torch.tensor([[0, 1]], device=device()).repeat(T, 1)
+    ones = torch.ones(T, 2, device=device())
     routing = moe.Routing(experts, ones / 2, ones.bool(), ones, ones)
     d = dispatch(x, routing, E, fp8=fp8)
     y = combine(local_experts(d, torch.nn.ModuleList([torch.nn.Identity()] * (E // 2))), d, routing, T)
