@@ -32,6 +32,7 @@ from course_lib.cost import hardware, roofline
 from course_lib.cost.checkpoint import checkpoint_overhead, young_interval
 from course_lib.cost.comm import tp_received_elements
 from course_lib.cost.memory import zero_model_state_bytes
+from course_lib.dist import device
 from course_lib.grading.adapter import load
 from course_lib.inference.paged import PagedCache
 from course_lib.model import config as configs
@@ -82,14 +83,16 @@ def check_adamw_step(my_adamw_step) -> str:
     per step (eps = 1.2e-7), 20 steps by ~20 ulps at worst; a wrong formula (coupled decay, a missing
     bias correction, eps inside the square root) is off by 1e-3 or more.
     """
-    gen = torch.Generator().manual_seed(0)
-    p_mine = torch.randn(32, 16, generator=gen)
+    dev = device()  # the learner's step runs where the lecture computes; the numbers are drawn on the host
+    gen = torch.Generator().manual_seed(0)  # host: the same draw on every machine
+    p_mine = torch.randn(32, 16, generator=gen).to(dev)  # host: drawn with gen
     p_torch = torch.nn.Parameter(p_mine.clone())
     ref = torch.optim.AdamW([p_torch], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
     m, v = torch.zeros_like(p_mine), torch.zeros_like(p_mine)
     for t in range(1, 21):
         # gradients over five orders of magnitude: a misplaced eps or bias correction shows somewhere
-        grad = torch.randn(32, 16, generator=gen) * 10 ** torch.randint(-3, 2, (32, 16), generator=gen)
+        # host: drawn with gen on the host (the same numbers on every machine), then moved to dev
+        grad = (torch.randn(32, 16, generator=gen) * 10 ** torch.randint(-3, 2, (32, 16), generator=gen)).to(dev)
         _call("my_adamw_step", my_adamw_step, p_mine, grad, m, v, t, 1e-2, 0.9, 0.99, 1e-8, 0.1)
         p_torch.grad = grad.clone()
         ref.step()

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from course_lib import data
-from course_lib.dist import counter, launch, trace
+from course_lib.dist import counter, device, launch, trace
 from course_lib.grading.adapter import Adapter
 from course_lib.grading.grade import Task
 from course_lib.model import config as configs
@@ -47,12 +47,13 @@ _LANGUAGE = []
 
 
 def _batches(n: int, seed: int = 0):
-    """``n`` global batches, this rank's rows of each."""
+    """``n`` global batches, this rank's rows of each, on its device (the language is drawn on the host)."""
     if not _LANGUAGE:
         _LANGUAGE.append(data.MarkovLanguage())
     ds = data.make_dataset(_LANGUAGE[0], GLOBAL_BATCH * SEQ * n + 1, SEQ, seed=seed)
     r, w = dist.get_rank(), dist.get_world_size()
-    return list(ds.batches(GLOBAL_BATCH // w, rank=r, world_size=w, seed=seed))[:n]
+    rows = list(ds.batches(GLOBAL_BATCH // w, rank=r, world_size=w, seed=seed))[:n]
+    return [(x.to(device()), y.to(device())) for x, y in rows]
 
 
 def _backward(model, x, y) -> None:
@@ -62,7 +63,7 @@ def _backward(model, x, y) -> None:
 def _pair(impl: Adapter, register_before=None):
     """(the DDP under test, torch DDP past its warm-up, a plain copy), all from one initial model."""
     torch.manual_seed(0)
-    base = Transformer(configs.get("tiny"))
+    base = Transformer(configs.get("tiny")).to(device())  # initialised on the host: the same weights everywhere
     module = copy.deepcopy(base)
     if register_before is not None:
         register_before(module)
@@ -86,7 +87,7 @@ def _grads(model):
 
 def _broadcast(impl: Adapter):
     torch.manual_seed(dist.get_rank())
-    module = Transformer(configs.get("tiny"))
+    module = Transformer(configs.get("tiny")).to(device())
     impl["broadcast_parameters"](module)
     return torch.cat([t.flatten() for t in [*module.parameters(), *module.buffers()]])
 
@@ -165,10 +166,12 @@ def check_broadcast(impl: Adapter) -> None:
 
 
 def check_plan_rule(impl: Adapter) -> None:
+    # host: sizes for a pure function, checked in the grader's own process (no rank, no collective)
     g = torch.Generator().manual_seed(2)
     for cap in (1, 100, 1000, 5000, 10**9):
-        sizes = [int(n) for n in torch.randint(1, 400, (30,), generator=g)]
-        tensors = [torch.empty(n) for n in reversed(sizes)]  # torch's function takes them in bucket order
+        sizes = [int(n) for n in torch.randint(1, 400, (30,), generator=g)]  # host: drawn with g
+        # host: placeholders for torch's bucket rule, which reads only their sizes (in bucket order)
+        tensors = [torch.empty(n) for n in reversed(sizes)]
         expected, _ = dist._compute_bucket_assignment_by_size(tensors, [cap * 4], [], list(range(len(sizes))))
         expected = [[len(sizes) - 1 - i for i in b] for b in expected]
         got = impl["plan_buckets"]([4 * n for n in sizes], cap * 4)

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.checkpoint.commit import sha256
-from course_lib.dist import RankError, launch
+from course_lib.dist import RankError, device, launch
 from course_lib.grading.adapter import Adapter
 from course_lib.grading.grade import Task
 
@@ -118,7 +118,7 @@ def _scramble(seed: int) -> None:
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed)
-    torch.rand(seed % 7 + 1)
+    torch.rand(seed % 7 + 1)  # host: advances the CPU generator, the state deterministic_mode must reset
 
 
 def _rank(impl: Adapter, root, steps: int, faults: dict, kw: dict):
@@ -164,11 +164,12 @@ def _differences(ref: dict, got: dict) -> list[str]:
     differ = [n for n in ref["params"] if not torch.equal(ref["params"][n], got["params"][n])]
     if differ:
         out.append(f"parameters {differ[:2]} differ: the model or the optimizer state was not restored exactly")
+    missing = torch.tensor(float("nan"))  # host: launch returns the ranks' summaries on the host
     moments = [
         f"{i}.{k}"
         for i, state in ref["optimizer"].items()
         for k, v in state.items()
-        if not torch.equal(v, got["optimizer"].get(i, {}).get(k, torch.tensor(float("nan"))))
+        if not torch.equal(v, got["optimizer"].get(i, {}).get(k, missing))
     ]
     if moments and not differ:
         out.append(f"AdamW's state {moments[:2]} differs: save and load the optimizer's moments and step")
@@ -213,7 +214,8 @@ def check_setup(impl: Adapter) -> None:
 
 def _commit_rank(impl: Adapter, root: str) -> None:
     rank = dist.get_rank()
-    state = {"w": torch.arange(1000.0), f"mine.{rank}": torch.full((10 + rank,), float(rank))}
+    dev = device()  # a rank checkpoints tensors where it trains them
+    state = {"w": torch.arange(1000.0, device=dev), f"mine.{rank}": torch.full((10 + rank,), float(rank), device=dev)}
     for step in (2, 4, 6):
         state["w"] += 1
         impl["commit_checkpoint"](root, step, state, keep=KEEP)
@@ -449,8 +451,8 @@ def _determinism_rank(impl: Adapter, seed: int) -> dict:
         "not cudnn.benchmark": not torch.backends.cudnn.benchmark,
         "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG") in (":4096:8", ":16:8"),
     }
-    draws = (torch.rand(3), random.random(), float(np.random.rand()))
-    x = _summand(rank)
+    draws = (torch.rand(3), random.random(), float(np.random.rand()))  # host: the CPU generator seeded by the mode
+    x = _summand(rank).to(device())
     summed = impl["all_reduce_in_rank_order"](x.clone())
     return {"flags": flags, "draws": draws, "summed": summed}
 
@@ -458,8 +460,8 @@ def _determinism_rank(impl: Adapter, seed: int) -> dict:
 def _summand(rank: int) -> torch.Tensor:
     """Rank ``rank``'s part of the sum: magnitudes from 1e-3 to 1e5, both signs, so that float32 sums
     of the 4 parts round differently in different orders."""
-    g = torch.Generator().manual_seed(rank)
-    return torch.randn(4096, generator=g) * 10.0 ** torch.randint(-3, 6, (4096,), generator=g)
+    g = torch.Generator().manual_seed(rank)  # host: the same numbers on every machine (a rank moves them)
+    return torch.randn(4096, generator=g) * 10.0 ** torch.randint(-3, 6, (4096,), generator=g)  # host: drawn with g
 
 
 def _rank_order_sum(world: int) -> torch.Tensor:
@@ -475,7 +477,7 @@ def check_deterministic_mode(impl: Adapter) -> None:
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed)
-    want = (torch.rand(3), random.random(), float(np.random.rand()))
+    want = (torch.rand(3), random.random(), float(np.random.rand()))  # host: a fresh seeded CPU generator
     for rank, out in enumerate(results):
         unset = [k for k, ok in out["flags"].items() if not ok]
         assert not unset, f"after deterministic_mode, rank {rank} lacks: {unset}"
