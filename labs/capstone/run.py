@@ -32,8 +32,9 @@ def run(args) -> None:
     layout = Layout(dp=args.dp, tp=args.tp, pp=args.pp, m=args.m)
     if layout.world_size != world:
         raise SystemExit(f"layout {layout} needs dp·tp·pp = {layout.world_size} ranks; {world} were launched")
-    torch.manual_seed(0)
-    model = Transformer(configs.get("tiny", n_layers=4))
+    torch.manual_seed(0)  # initialised on the host (the same weights on every machine), then on this rank's device
+    dev = cdist.device()
+    model = Transformer(configs.get("tiny", n_layers=4)).to(dev)
     composed = Composed(model, layout, args.global_batch)
     opt = torch.optim.SGD(composed.parameters(), lr=args.lr)
     data = make_dataset(MarkovLanguage(), 64 * args.seq_len + 1, args.seq_len, seed=11)
@@ -42,16 +43,16 @@ def run(args) -> None:
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"{layout} on {world} ranks, backend {cdist.backend()}; {local_world_size()} ranks per launcher")
     for step, (x, y) in zip(range(args.steps), data.batches(args.global_batch, seed=5, epochs=None)):
-        loss = composed.step(x, y)
+        loss = composed.step(x.to(dev), y.to(dev))  # the course language is drawn on the host
         opt.step()
         opt.zero_grad()
         losses = [None] * world
-        dist.all_gather_object(losses, loss)
+        dist.all_gather_object(losses, None if loss is None else float(loss))  # python floats, not device tensors
         say(f"step {step + 1}  loss {next(v for v in losses if v is not None):.6f}")
     state = composed.dense_state()
     digest = hashlib.sha256()
     for name in sorted(state):
-        digest.update(state[name].reshape(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(state[name].detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     say(f"final parameters fingerprint: {digest.hexdigest()[:16]}")
 
 

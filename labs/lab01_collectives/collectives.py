@@ -1,7 +1,8 @@
 """Lab 01 — collectives built from point-to-point messages.
 
 Your task: write ring reduce-scatter, ring all-gather and ring all-reduce using only
-``dist.isend`` / ``dist.send`` / ``dist.recv`` (no torch.distributed collective).
+point-to-point messages: the given ``_exchange`` (``dist.isend`` / ``dist.irecv`` posted together),
+or ``dist.isend`` / ``dist.send`` / ``dist.recv`` (no torch.distributed collective).
 
 The ring (Patarasuk & Yuan, 2009; the algorithm of NCCL and of Baidu's ring all-reduce): the N
 ranks sit on a ring, each sends only to its right neighbour and receives only from its left one.
@@ -30,14 +31,22 @@ def ring_neighbours(group=None) -> tuple[int, int, int, int]:
 
 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, group=None) -> None:
-    """Send ``send`` to the right while receiving ``recv`` from the left.
+    """Send ``send`` to the right while receiving ``recv`` from the left, both posted as one batch.
 
-    The send must be non-blocking: if every rank first did a blocking send, every rank would wait
-    for a receiver that is itself still sending — a deadlock on any backend that does not buffer.
+    Every rank sends and receives at once, so neither call may wait for the other: with a blocking
+    send first, every rank would wait for a receiver that is itself still sending. A non-blocking
+    ``isend`` then a blocking ``recv`` is not enough under NCCL: at N = 2 the right and the left
+    neighbour are the same rank, the two ranks' sends cross on one link, and once a message is
+    larger than NCCL's internal buffer each send waits for a receive queued behind it — a deadlock
+    (gloo buffers the send on the host, so the CPU hides it). NCCL's user guide ("Point-to-point
+    communication") says calls that must progress together belong in one group;
+    ``dist.batch_isend_irecv`` forms that group from ``dist.P2POp(dist.isend / dist.irecv, ...)``
+    and on gloo posts the same two calls one after the other (``course_lib.dist.p2p.exchange``
+    does the same for the course's own code).
     """
-    request = dist.isend(send, right, group=group)
-    dist.recv(recv, left, group=group)
-    request.wait()
+    ops = [dist.P2POp(dist.isend, send, right, group), dist.P2POp(dist.irecv, recv, left, group)]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
 
 
 def ring_reduce_scatter_(chunks: list[torch.Tensor], group=None) -> None:

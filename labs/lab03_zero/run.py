@@ -40,8 +40,10 @@ def model(name):
 
 
 def data(steps, vocab):
-    g = torch.Generator().manual_seed(1 + dist.get_rank())
-    return [torch.randint(0, vocab, (4, 33), generator=g).to(cdist.device()) for _ in range(steps)]
+    g = torch.Generator().manual_seed(1 + dist.get_rank())  # host: the same tokens on every machine
+    return [
+        torch.randint(0, vocab, (4, 33), generator=g).to(cdist.device()) for _ in range(steps)
+    ]  # host: drawn with g
 
 
 def reference(name, steps):
@@ -74,7 +76,7 @@ def run(args) -> None:
                 next_token_loss(net(x[:, :-1]), x[:, 1:]).backward()
                 zero.step()
             zero.zero_grad()
-        held = torch.tensor(float(held_bytes(zero, net)))
+        held = torch.tensor(float(held_bytes(zero, net)), device=cdist.device())
         dist.all_reduce(held, op=dist.ReduceOp.MAX)  # the largest rank's share
         for u in zero.units if stage == 3 else []:
             zero._gather(u)  # to read the parameters

@@ -10,7 +10,8 @@ parallelism one model state at a time. With N ranks, rank r owns the r-th 1/N of
     stage 3  + parameters sharded. Keep only the shard; all-gather a unit's parameters just before
              its forward and its backward, free them right after.
 
-(Stage 0, plain DDP, is given for comparison.) A *unit* is a child module of the model, each
+(Stage 0, plain DDP, is given for comparison.) Put the model on the rank's device
+(``course_lib.dist.device()``) before wrapping it: every buffer is made on its parameters' device. A *unit* is a child module of the model, each
 ModuleList entry on its own. Each unit's parameters are copied into one flat fp32 buffer whose
 length is padded up to a multiple of N, so it splits into N equal shards; the parameters become
 views of that buffer. Everything here is fp32 (course_lib.parallel.data.zero adds bf16 and CPU offload).
@@ -58,7 +59,8 @@ class Unit:
         self.params = list(module.parameters())
         self.numel = sum(p.numel() for p in self.params)
         self.padded = padded_size(self.numel, n)
-        self.full = torch.zeros(self.padded)
+        self.device = self.params[0].device  # every buffer lives where the caller put the model
+        self.full = torch.zeros(self.padded, device=self.device)
         self.grad_full = None
         self.shard = None  # stage 3: this rank's slice of the parameters (its own tensor)
         self.grad_shard = None  # stages 2-3: this rank's slice of the averaged gradient
@@ -95,14 +97,14 @@ class ZeroAdamW:
             for p, view in u.views(u.full):
                 p.data = view
             # Adam moments: only this rank's slice (stage 0: all of it).
-            u.exp_avg = torch.zeros(u.padded // self.parts)
-            u.exp_avg_sq = torch.zeros(u.padded // self.parts)
+            u.exp_avg = torch.zeros(u.padded // self.parts, device=u.device)
+            u.exp_avg_sq = torch.zeros(u.padded // self.parts, device=u.device)
             if stage <= 1:  # full gradients, accumulated in place by autograd
-                u.grad_full = torch.zeros(u.padded)
+                u.grad_full = torch.zeros(u.padded, device=u.device)
                 for p, view in u.views(u.grad_full):
                     p.grad = view
             else:
-                u.grad_shard = torch.zeros(u.padded // self.n)
+                u.grad_shard = torch.zeros(u.padded // self.n, device=u.device)
                 for p in u.params:
                     p.register_post_accumulate_grad_hook(lambda _p, u=u: self._grad_ready(u))
             if stage == 3:

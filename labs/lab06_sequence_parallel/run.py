@@ -66,8 +66,8 @@ def run(args) -> None:
     say = print if rank == 0 else (lambda *a, **k: None)
     b, s, h, hk, d = args.batch, args.seq_len, args.heads, args.kv_heads, args.head_dim
     say(f"{n} ranks, backend {cdist.backend()}; b={b}, s={s}, h={h}, h_kv={hk}, d={d}")
-    g = torch.Generator().manual_seed(0)
-    full = [torch.randn(b, x, s, d, generator=g).to(dev) for x in (h, hk, hk, h)]
+    g = torch.Generator().manual_seed(0)  # host: the same draw on every machine, moved to dev below
+    full = [torch.randn(b, x, s, d, generator=g).to(dev) for x in (h, hk, hk, h)]  # host: drawn with g
 
     # 1. Ring attention, zigzag layout: equal to full attention; bytes and work per rank.
     work = []

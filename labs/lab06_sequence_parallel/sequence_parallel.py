@@ -16,12 +16,21 @@ Given, from course_lib.parallel.context.ring_attention (read their docstrings):
     block_attention_backward(dout, q, k, v, out, lse, causal) -> (dq, dk, dv)   with the FINAL out, lse
 ``causal=True`` needs a square block whose rows and columns are the same positions (a diagonal).
 Call ``block_attention`` by that name: the grader counts the work you hand it.
+
+Also given, from course_lib.dist.p2p: ``exchange(sends=[(tensor, peer)], recvs=[(buffer, peer)],
+group, tag)`` posts its ``dist.isend`` and ``dist.irecv`` calls as one batch and returns the works
+to ``wait()`` on. Every rank sends right while it receives from the left; posted one by one, the
+sends and receives of two neighbours cross (at N = 2 both neighbours are the same rank), which gloo
+absorbs but NCCL can deadlock on once a block exceeds its internal buffer. NCCL's user guide
+("Point-to-point communication") puts calls that must progress together in one group, which is
+what ``exchange`` does (``dist.batch_isend_irecv``).
 """
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from course_lib.dist.p2p import exchange
 from course_lib.parallel.context.ring_attention import block_attention, block_attention_backward, shard, unshard  # noqa: F401
 
 
@@ -56,7 +65,7 @@ def ring_attention_forward(q, k, v, group=None):
 
     Schedule: N steps; at step t you hold the K/V of rank src = (rank - t) mod N. Before computing
     on it, start sending it to the right neighbour and receiving the next one from the left
-    (dist.isend / dist.irecv; wait before the next step), so N-1 K/V transfers in all. Per step:
+    (one ``exchange`` of dist.isend / dist.irecv; wait before the next step), so N-1 K/V transfers in all. Per step:
       * src == rank: all L query rows against all L keys, causal (local order is global order);
       * src <  rank: all query rows against the first c keys (src's early chunk), not causal;
       * src >  rank: only the last c query rows (my late chunk) against all L keys, not causal;

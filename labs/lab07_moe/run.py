@@ -34,9 +34,10 @@ warnings.filterwarnings("ignore", message=".*all_to_all_single is deprecated.*",
 
 def build(args, n: int, rank: int):
     """The router and the experts of this rank, the same on every rank (seeded), plus all the experts."""
-    torch.manual_seed(0)
-    router = lab.Router(args.d_model, args.experts, args.top_k, capacity_factor=args.capacity_factor)
-    experts = nn.ModuleList(Expert(args.d_model, args.d_ff) for _ in range(args.experts))
+    torch.manual_seed(0)  # initialised on the host (the same weights on every machine), then moved to the device
+    dev = cdist.device()
+    router = lab.Router(args.d_model, args.experts, args.top_k, capacity_factor=args.capacity_factor).to(dev)
+    experts = nn.ModuleList(Expert(args.d_model, args.d_ff) for _ in range(args.experts)).to(dev)
     per = args.experts // n
     return router, experts, nn.ModuleList(experts[rank * per : (rank + 1) * per])
 
@@ -44,11 +45,14 @@ def build(args, n: int, rank: int):
 def data(args, n: int, rank: int):
     """This rank's tokens and a teacher network's outputs for them. All tokens share one offset: the
     untrained router then sends most of them to the same few experts."""
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(n * args.tokens, args.d_model, generator=g) + torch.randn(args.d_model, generator=g)
+    g = torch.Generator().manual_seed(1)  # host: the same tokens on every machine, moved to the device below
+    x = torch.randn(n * args.tokens, args.d_model, generator=g) + torch.randn(
+        args.d_model, generator=g
+    )  # host: drawn with g
+    x = x.to(cdist.device())
     torch.manual_seed(2)
     with torch.no_grad():
-        y = Expert(args.d_model, args.d_ff)(x)
+        y = Expert(args.d_model, args.d_ff).to(x.device)(x)
     mine = slice(rank * args.tokens, (rank + 1) * args.tokens)
     return x[mine], y[mine]
 
@@ -104,7 +108,7 @@ def run(args) -> None:
         say(f"expert parallel layer: not implemented yet ({err})")
         return
     diff = ((y - reference).abs().max() / reference.abs().max()).item()
-    verdict = torch.tensor([float(diff <= 1e-5)])
+    verdict = torch.tensor([float(diff <= 1e-5)], device=cdist.device())
     dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
     say(
         f"expert parallel output equals the layer on one rank (max |Δ| ≤ 1e-5 of the largest entry): {verdict.item() == 1}"

@@ -18,7 +18,6 @@ import copy
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -29,6 +28,7 @@ import capstone as cap
 from course_lib import dist as cdist
 from course_lib.data import MarkovLanguage, make_dataset
 from course_lib.dist import counter, trace
+from course_lib.dist.timing import clock
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.compose import dense_names
@@ -45,8 +45,9 @@ CANDIDATES = [
 
 
 def model() -> Transformer:
+    """The course model, initialised on the host from one seed (the same on every rank), on the rank's device."""
     torch.manual_seed(0)
-    return Transformer(configs.get("tiny", n_layers=4))
+    return Transformer(configs.get("tiny", n_layers=4)).to(cdist.device())
 
 
 def gathered(part) -> dict[str, torch.Tensor]:
@@ -63,7 +64,7 @@ def gathered(part) -> dict[str, torch.Tensor]:
 
 
 def all_true(flag: bool) -> bool:
-    t = torch.tensor([0 if flag else 1])
+    t = torch.tensor([0 if flag else 1], device=cdist.device())
     dist.all_reduce(t)
     return t.item() == 0
 
@@ -113,10 +114,10 @@ def measure(args, batches, say) -> dict:
         times = []
         for x, y in batches:  # 6: one warm-up step, then the median of 5
             dist.barrier()
-            start = time.perf_counter()
+            start = clock()  # clock() waits for the device: the step's kernels, not their queueing
             cap.step(part, x, y)
             dist.barrier()
-            times.append(time.perf_counter() - start)
+            times.append(clock() - start)
             opt.step()
             opt.zero_grad()
         out[layout] = statistics.median(times[1:] or times)
@@ -132,7 +133,9 @@ def run(args) -> None:
     cfg = configs.get("tiny", n_layers=4)
     data = make_dataset(MarkovLanguage(), 64 * args.seq_len + 1, args.seq_len, seed=11)
     steps = max(args.steps, 6 if args.measure else 0)
-    batches = [b for _, b in zip(range(steps), data.batches(args.global_batch, seed=5, epochs=None))]
+    dev = cdist.device()  # the course language is drawn on the host: the same tokens on every machine
+    stream = data.batches(args.global_batch, seed=5, epochs=None)
+    batches = [(x.to(dev), y.to(dev)) for _, (x, y) in zip(range(steps), stream)]
     say(f"{layout} on {world} ranks, backend {cdist.backend()}; G={args.global_batch}, S={args.seq_len}")
     try:
         train(args, layout, batches[: args.steps], say)

@@ -86,8 +86,9 @@ def batches_from(step: int, rank: int, world_size: int):
 
 def augment(x: torch.Tensor, p: float = 0.1) -> torch.Tensor:
     """Token dropout: replace a fraction p of the tokens by random ones, from torch's global generator."""
+    # host: batches come on the CPU, and the CPU generator's state is what the checkpoint saves and restores
     mask = torch.rand(x.shape) < p
-    return torch.where(mask, torch.randint(0, 16, x.shape), x)
+    return torch.where(mask, torch.randint(0, 16, x.shape), x)  # host: as the mask, from the CPU generator
 
 
 def compute_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -120,7 +121,7 @@ def summary(model, optimizer, scheduler, guard, step, losses, batches, optimizer
         "lr": scheduler.get_last_lr(),
         "guard": guard.state_dict(),
         "next_batch": next(batches),
-        "rng": (torch.rand(4), random.random()),
+        "rng": (torch.rand(4), random.random()),  # host: the CPU generator's next draws, restored on resume
     }
 
 
