@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from course_lib.dist import launch
+from course_lib.dist import device, launch
 from course_lib.precision.fp8 import (
     E4M3,
     E5M2,
@@ -287,10 +287,10 @@ def test_fp8_linear_backward_uses_the_quantized_operands():
 
 def _sync_rank():
     rank = dist.get_rank()
-    amax = torch.tensor(3.0 * (rank + 1))
+    amax = torch.tensor(3.0 * (rank + 1), device=device())
     synced = sync_amax(amax.clone())
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(8, 256, generator=g) * (rank + 1)
+    g = torch.Generator().manual_seed(rank)  # host: the same numbers on any machine, moved to the device below
+    x = torch.randn(8, 256, generator=g).to(device()) * (rank + 1)
     _, s_local = quantize(x, "e4m3", "tensor")
     _, s_sync = quantize(x, "e4m3", "tensor", sync=True)
     _, tiles_sync = quantize(x, "e4m3", "tile", sync=True)

@@ -5,7 +5,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from course_lib.dist import launch
+from course_lib.dist import device, launch
 from course_lib.grading.adapter import Adapter
 from course_lib.grading.grade import Result, Task, report, run_task
 
@@ -21,7 +21,7 @@ def _hangs(impl):
 
 def _rank_waits_forever():
     if dist.get_rank() == 1:
-        dist.recv(torch.zeros(1), src=0)  # rank 0 never sends
+        dist.recv(torch.zeros(1, device=device()), src=0)  # rank 0 never sends
 
 
 def _a_rank_hangs(impl):
