@@ -18,14 +18,14 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from course_lib import data
-from course_lib.dist import launch
+from course_lib.dist import device, launch
+from course_lib.dist.timing import clock
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer, next_token_loss
 from course_lib.parallel.data.ddp import DistributedDataParallel, split_batch
@@ -36,7 +36,8 @@ SHAPES = {"tiny": (8, 64), "small": (8, 128)}  # global batch, sequence length
 def _rank(model_name: str, cap_mb: float, steps: int, repeats: int, warmup: int):
     torch.manual_seed(0)
     cfg = configs.get(model_name)
-    base = Transformer(cfg)
+    dev = device()
+    base = Transformer(cfg).to(dev)
     models = {
         "course_lib": DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=cap_mb),
         # forward_sync_buffers=False: both broadcast buffers once, at construction; torch's
@@ -48,18 +49,18 @@ def _rank(model_name: str, cap_mb: float, steps: int, repeats: int, warmup: int)
     batch, seq = SHAPES[model_name]
     ds = data.make_dataset(data.MarkovLanguage(), batch * seq * 4 + 1, seq, seed=0)
     r, w = dist.get_rank(), dist.get_world_size()
-    batches = [tuple(split_batch(t, r, w) for t in b) for b in ds.batches(batch, seed=0)]
+    batches = [tuple(split_batch(t, r, w).to(dev) for t in b) for b in ds.batches(batch, seed=0)]
 
     def run(name: str, n: int) -> float:
         model, opt = models[name], opts[name]
         dist.barrier()
-        start = time.perf_counter()
+        start = clock()
         for i in range(n):
             x, y = batches[i % len(batches)]
             opt.zero_grad(set_to_none=True)
             next_token_loss(model(x), y).backward()
             opt.step()
-        return (time.perf_counter() - start) / n
+        return (clock() - start) / n  # clock() waits for the device to finish the n steps
 
     for name in models:  # warm-up; also lets torch rebuild its buckets after its first iteration
         run(name, warmup)

@@ -40,12 +40,13 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from course_lib.dist import device
+from course_lib.dist.timing import time_calls
 from course_lib.precision.fp8 import FP8Linear, fp8_matmul, quantize
 
 E4M3 = torch.float8_e4m3fn
@@ -66,18 +67,10 @@ def device_name(dev: torch.device) -> str:
     )
 
 
-def best_seconds(fn, dev: torch.device, repeats: int) -> float:
-    """The fastest of ``repeats`` calls after one warm-up (the minimum is the least disturbed run)."""
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    fn()
-    sync()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - start)
-    return best
+def best_seconds(fn, repeats: int) -> float:
+    """The fastest of ``repeats`` calls after one warm-up (the minimum is the least disturbed run),
+    each timed until the device has finished it (:func:`course_lib.dist.timing.time_calls`)."""
+    return min(time_calls(fn, repeats, warmup=1))
 
 
 def block_wise_kernel(a, b):
@@ -126,7 +119,7 @@ def gemm_rows(n: int, dev: torch.device, repeats: int) -> list[tuple[str, float 
     rows = []
     for name, fn in cases:
         try:
-            rows.append((name, best_seconds(fn, dev, repeats)))
+            rows.append((name, best_seconds(fn, repeats)))
         except (RuntimeError, ValueError, NotImplementedError) as e:  # no kernel for these scales here
             rows.append((name, f"unsupported: {str(e).splitlines()[0][:70]}"))
     return rows
@@ -168,7 +161,7 @@ def linear_rows(n: int, dev: torch.device, repeats: int) -> list[tuple[str, floa
     rows = []
     for name, make in cases:
         try:
-            rows.append((name, best_seconds(make(), dev, repeats)))
+            rows.append((name, best_seconds(make(), repeats)))
         except (ImportError, RuntimeError, ValueError, AssertionError) as e:
             rows.append((name, f"unsupported: {str(e).splitlines()[0][:70]}"))
     return rows
@@ -187,7 +180,7 @@ def table(title: str, n: int, rows, flops: float, baseline: str) -> None:
 
 
 def main() -> None:
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = device()  # this process's accelerator (cuda:0 on a GPU machine), else the CPU
     default_sizes = [4096, 8192] if dev.type == "cuda" else [256, 512, 1024]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=default_sizes, help="n of the n x n x n GEMMs")

@@ -14,14 +14,14 @@ the shared machine hits both alike; the first losses are printed to show they tr
 import argparse
 import copy
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib.data import MarkovLanguage, make_dataset
-from course_lib.dist import Mesh, launch
+from course_lib.dist import Mesh, device, launch
+from course_lib.dist.timing import clock
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.tensor.model import TPTransformer
@@ -41,7 +41,9 @@ def dtensor_model(dense: Transformer, t: int):
             plan[f"layers.{i}.{name}"] = ColwiseParallel()
         plan[f"layers.{i}.attention.wo"] = RowwiseParallel()
         plan[f"layers.{i}.feed_forward.w2"] = RowwiseParallel()
-    return parallelize_module(copy.deepcopy(dense), init_device_mesh("cpu", (t,)), plan)
+    # the mesh on the device the dense model (and this rank) computes on: cpu under gloo, cuda under NCCL
+    mesh = init_device_mesh(next(dense.parameters()).device.type, (t,))
+    return parallelize_module(copy.deepcopy(dense), mesh, plan)
 
 
 def _ranks(cfg, steps: int, batch: int, seq_len: int):
@@ -49,7 +51,8 @@ def _ranks(cfg, steps: int, batch: int, seq_len: int):
 
     t = dist.get_world_size()
     torch.manual_seed(0)
-    dense = Transformer(cfg)
+    dev = device()
+    dense = Transformer(cfg).to(dev)
     ours = TPTransformer.from_dense(dense, Mesh(tp=t))
     theirs = dtensor_model(dense, t)
     opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, m in (("ours", ours), ("theirs", theirs))}
@@ -72,11 +75,12 @@ def _ranks(cfg, steps: int, batch: int, seq_len: int):
     data = make_dataset(MarkovLanguage(), batch * seq_len * (steps + 3) + 1, seq_len, seed=0)
     times, losses = {"ours": [], "theirs": []}, {"ours": [], "theirs": []}
     for i, (x, y) in enumerate(data.batches(batch, seed=0)):
+        x, y = x.to(dev), y.to(dev)  # drawn on the host: the same batches on every rank
         for name, step in (("ours", step_ours), ("theirs", step_theirs)):
             dist.barrier()
-            start = time.perf_counter()
+            start = clock()
             losses[name].append(step(x, y))
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
         if i >= steps + 2:
             break
     return {name: statistics.median(v[3:]) for name, v in times.items()}, {k: v[:3] for k, v in losses.items()}

@@ -2,6 +2,11 @@
 beside the model of :mod:`course_lib.cost.activations` (lecture 02, tests/test_activation_memory.py);
 and :class:`LiveTensorMeter`, the bytes of tensors alive after every op of a forward and backward
 pass, which sees what saved-tensor hooks cannot (lecture 06, :mod:`course_lib.measure.recompute`).
+
+The model counts what the CPU kernels save. On another device ``F.scaled_dot_product_attention``
+runs another kernel, which saves other statistics: :func:`sdpa_saved_statistics` gives them per
+device type, and :func:`kernel_term_bytes` the difference the measurement then shows
+(:func:`model_vs_measurement` adds it to the model of the device that measured).
 """
 
 from __future__ import annotations
@@ -30,9 +35,10 @@ class SavedTensorMeter:
             y = model(x)
         meter.bytes
 
-    Tensors are kept alive by the graph until backward, so a storage address seen once cannot be
-    reused by another saved tensor during the forward pass: counting by address is counting by
-    tensor. Storages of ``exclude``'s parameters and buffers are left out (weights are not
+    Tensors are kept alive by the graph until backward, so a storage seen once cannot be freed and
+    replaced by another saved tensor's during the forward pass: counting storages (by the storage
+    object, ``_cdata``, which works on any device, meta included, where every address is 0) is
+    counting tensors. Storages of ``exclude``'s parameters and buffers are left out (weights are not
     activations, and ``w.t()`` saved by a linear is a view of the weight), and so are the storages
     of ``constants`` (the RoPE tables passed to a block). Those are recognised by the storage object
     itself (``_cdata``), not by its address: ZeRO-3 frees a parameter's storage and re-allocates it
@@ -49,7 +55,7 @@ class SavedTensorMeter:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         if storage._cdata not in self._excluded and storage.nbytes() > 0:
-            self.storages[storage.data_ptr()] = storage.nbytes()
+            self.storages[storage._cdata] = storage.nbytes()
         return t
 
     def __enter__(self) -> SavedTensorMeter:
@@ -159,13 +165,80 @@ def sdpa_kernel(attention: str):
     return choose(SDPBackend.MATH) if attention == "math" else contextlib.nullcontext()
 
 
+def sdpa_saved_statistics(
+    device_type: str, attention: str, batch: int, n_heads: int, seq_len: int, dtype: torch.dtype = torch.float32
+) -> dict[str, int]:
+    """Bytes that ``F.scaled_dot_product_attention`` saves for backward besides q, k, v and its output,
+    by tensor, for ``n_heads`` heads of ``batch`` sequences of ``seq_len`` on a ``device_type`` device.
+
+    * ``"math"``, any device: the softmax probabilities P = softmax(QKᵀ/√d), [b, a, s, s] in ``dtype``;
+      so does ``"flash"`` on the meta device, which has no fused kernel (SDPA falls back to math).
+    * ``"flash"`` lets SDPA choose the device's fused kernel, which keeps one log-sum-exp per row
+      (fp32) instead of P (Dao et al. 2022, FlashAttention §3.1):
+
+      - cpu: a FlashAttention-style kernel; log-sum-exp [b, a, s] (the model's term,
+        :func:`course_lib.cost.activations.activation_terms`).
+      - cuda, fp32: the memory-efficient kernel (xFormers/CUTLASS; FlashAttention-2 takes only 16-bit
+        inputs), whose log-sum-exp is padded to its 32-row tiles, [b, a, ⌈s/32⌉·32], plus the dropout
+        RNG's philox seed and offset (two int64 scalars, saved even at dropout 0).
+      - cuda, fp16/bf16: FlashAttention-2; log-sum-exp [b, a, s] and the RNG state, a uint64 pair
+        and a uint64 offset.
+
+    The CUDA shapes are those PyTorch's own shape functions allocate (``torch/_meta_registrations.py``,
+    ``_scaled_dot_product_{efficient,flash}_attention``; tests/test_device_measure.py runs them on
+    meta tensors). They assume a head_dim the fused kernels accept (a multiple of 8), else SDPA falls
+    back to another kernel. Another device type: ask its kernel, so this raises.
+    """
+    if attention not in ATTENTION_KERNELS:
+        raise ValueError(f"attention={attention!r}: use one of {ATTENTION_KERNELS}")
+    b, a, s = batch, n_heads, seq_len
+    if attention == "math" or device_type == "meta":  # meta tensors have no fused kernel: SDPA runs math
+        return {"softmax probabilities": b * a * s * s * dtype.itemsize}
+    fp32, int64 = torch.float32.itemsize, torch.int64.itemsize
+    if device_type == "cpu":
+        return {"log-sum-exp": b * a * s * fp32}
+    if device_type == "cuda" and dtype == torch.float32:
+        padded = -(-s // 32) * 32  # kAlignLSE = 32: one log-sum-exp row per query row of a 32-row tile
+        return {"log-sum-exp (padded to 32 rows)": b * a * padded * fp32, "philox seed and offset": 2 * int64}
+    if device_type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        return {"log-sum-exp": b * a * s * fp32, "RNG state (seed pair, offset)": 3 * torch.uint64.itemsize}
+    raise NotImplementedError(
+        f"no model of what SDPA's {attention!r} kernel saves on {device_type} for {dtype}: measure it with "
+        "SavedTensorMeter around F.scaled_dot_product_attention and add it to sdpa_saved_statistics"
+    )
+
+
+def kernel_term_bytes(
+    device_type: str,
+    cfg: ModelConfig,
+    batch: int,
+    seq_len: int,
+    tp_size: int = 1,
+    attention: str = "flash",
+    dtype: torch.dtype = torch.float32,
+) -> int:
+    """Bytes one rank's block saves on ``device_type`` beyond :func:`~course_lib.cost.activations.activation_bytes_per_layer`
+    (which counts the CPU kernel's statistics): 0 on CPU and for the math kernel; on CUDA in fp32 the
+    log-sum-exp padding b·(a/t)·(⌈s/32⌉·32 − s)·4 B plus 16 B of RNG state. Tensor parallelism
+    splits the heads, a/t per rank (sequence parallelism gathers the whole sequence for attention)."""
+    heads = cfg.n_heads // tp_size
+    here = sdpa_saved_statistics(device_type, attention, batch, heads, seq_len, dtype)
+    cpu = sdpa_saved_statistics("cpu", attention, batch, heads, seq_len, dtype)
+    return sum(here.values()) - sum(cpu.values())
+
+
 def measure_block(
     block: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: str = "flash"
 ) -> int:
     """Bytes of activations ``block(x, cos, sin)`` saves for backward on this rank (x counts: it is saved).
 
+    Measured on ``x``'s device, where ``block``, ``cos`` and ``sin`` must be too: what SDPA saves
+    depends on the device's kernel (:func:`sdpa_saved_statistics`).
     ``x`` is copied first: a slice of a larger tensor would be counted with its whole storage.
     """
+    where = {t.device for t in (*block.parameters(), cos, sin)}
+    if where != {x.device}:
+        raise ValueError(f"x is on {x.device}, the block and the RoPE tables on {where}: put them on one device")
     x = x.detach().clone().requires_grad_(True)
     with sdpa_kernel(attention), SavedTensorMeter(exclude=block, constants=(cos, sin)) as meter:
         block(x, cos, sin)
@@ -173,46 +246,62 @@ def measure_block(
 
 
 def _measure_rank(cfg, batch, seq_lens, settings, attention, seed):
-    """On each rank of a TP group: measured bytes for every (seq_len, sequence_parallel) asked for."""
+    """On each rank of a TP group: measured bytes for every (seq_len, sequence_parallel) asked for,
+    and the type of the rank's device."""
 
     mesh = Mesh(tp=dist.get_world_size())
     torch.manual_seed(seed)
-    dense = Transformer(cfg).to(device())
+    dev = device()
+    dense = Transformer(cfg).to(dev)
     out = {}
     for sp in settings:
         block = TPBlock(dense.layers[0], mesh, sequence_parallel=sp)
         for s in seq_lens:
-            x = torch.randn(batch, s, cfg.d_model, generator=torch.Generator().manual_seed(seed + s)).to(device())
+            # host: drawn on the CPU generator so that every rank (and every machine) holds the same x
+            x = torch.randn(batch, s, cfg.d_model, generator=torch.Generator().manual_seed(seed + s)).to(dev)
             x = shard_sequence(x, mesh.group("tp")) if sp else x
             out[(s, sp)] = measure_block(block, x, dense.rope_cos[:s], dense.rope_sin[:s], attention)
-    return out
+    return out, dev.type
+
+
+def _measure(cfg, batch, seq_lens, tp_size, settings, attention, seed, on) -> tuple[dict, str]:
+    """:func:`measure_layer_bytes`'s numbers and the type of the device that measured them."""
+    seq_lens = list(seq_lens)
+    if tp_size > 1:
+        if on is not None:
+            raise ValueError(f"device={on!r} with tp_size={tp_size}: the ranks measure on their own device()")
+        return launch(_measure_rank, tp_size, cfg, batch, seq_lens, tuple(settings), attention, seed, timeout=120)[0]
+    dev = torch.device(on) if on is not None else device()
+    torch.manual_seed(seed)
+    dense = Transformer(cfg).to(dev)
+    out = {}
+    for s in seq_lens:
+        x = torch.randn(batch, s, cfg.d_model, device=dev)
+        out[(s, False)] = measure_block(dense.layers[0], x, dense.rope_cos[:s], dense.rope_sin[:s], attention)
+    return out, dev.type
 
 
 def measure_layer_bytes(
-    cfg: ModelConfig, batch: int, seq_lens, tp_size: int = 1, settings=(False,), attention: str = "flash", seed: int = 0
+    cfg: ModelConfig,
+    batch: int,
+    seq_lens,
+    tp_size: int = 1,
+    settings=(False,),
+    attention: str = "flash",
+    seed: int = 0,
+    device: torch.device | str | None = None,
 ) -> dict:
     """Measured bytes per rank for one layer: {(seq_len, sequence_parallel): bytes}.
 
-    tp_size = 1 measures ``course_lib.model.transformer.Block`` in this process; more launches tp_size ranks that each
-    measure their ``TPBlock`` (one launch for all seq_lens and settings; rank 0's numbers, since
-    every rank holds the same shapes).
+    tp_size = 1 measures ``course_lib.model.transformer.Block`` in this process, on ``device``
+    (default :func:`course_lib.dist.device`: in a process no launcher started, a notebook kernel or
+    pytest, that is cuda:0 on a GPU machine; pass ``device="cpu"`` for the CPU kernels' bytes that
+    :mod:`course_lib.cost.activations` counts). More launches tp_size ranks that each measure their
+    ``TPBlock`` on their own device (one launch for all seq_lens and settings; rank 0's numbers,
+    since every rank holds the same shapes). On CUDA the bytes differ from the model by
+    :func:`kernel_term_bytes`.
     """
-    seq_lens = list(seq_lens)
-    if tp_size == 1:
-        torch.manual_seed(seed)
-        dense = Transformer(cfg).to(device())
-        return {
-            (s, False): measure_block(
-                dense.layers[0],
-                torch.randn(batch, s, cfg.d_model, device=device()),
-                dense.rope_cos[:s],
-                dense.rope_sin[:s],
-                attention,
-            )
-            for s in seq_lens
-        }
-
-    return launch(_measure_rank, tp_size, cfg, batch, seq_lens, tuple(settings), attention, seed, timeout=120)[0]
+    return _measure(cfg, batch, seq_lens, tp_size, settings, attention, seed, device)[0]
 
 
 def model_vs_measurement(
@@ -221,21 +310,26 @@ def model_vs_measurement(
     """For the lecture: one row per (layout, seq_len) with the model's and the measured bytes per rank.
 
     Layouts: "dense" (t = 1), "TP" and "TP+SP" (t = ``tp_size``). Two launches at most in all.
+    Each row's model is that of the device which measured it (``"device"``: the dense layer here,
+    the TP layouts on the ranks): :func:`activation_bytes_per_layer` plus :func:`kernel_term_bytes`,
+    which is 0 on CPU.
     """
-    measured = {
-        ("dense", s): v for (s, _), v in measure_layer_bytes(cfg, batch, seq_lens, 1, attention=attention).items()
-    }
-    for (s, sp), v in measure_layer_bytes(cfg, batch, seq_lens, tp_size, (False, True), attention).items():
-        measured[("TP+SP" if sp else "TP", s)] = v
+    dense, dense_on = _measure(cfg, batch, seq_lens, 1, (False,), attention, 0, None)
+    measured = {("dense", s): (v, dense_on) for (s, _), v in dense.items()}
+    split, split_on = _measure(cfg, batch, seq_lens, tp_size, (False, True), attention, 0, None)
+    for (s, sp), v in split.items():
+        measured[("TP+SP" if sp else "TP", s)] = (v, split_on)
     rows = []
-    for (layout, s), got in sorted(measured.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+    for (layout, s), (got, on) in sorted(measured.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         t = 1 if layout == "dense" else tp_size
         model = activation_bytes_per_layer(cfg, batch, s, t, layout == "TP+SP", attention)
+        model += kernel_term_bytes(on, cfg, batch, s, t, attention)
         rows.append(
             {
                 "layout": layout,
                 "tp": t,
                 "seq_len": s,
+                "device": on,
                 "model_bytes": model,
                 "measured_bytes": got,
                 "rel_error": (got - model) / model,

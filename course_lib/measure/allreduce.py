@@ -10,29 +10,30 @@ lines that ``lectures/sanitize.cfg`` replaces.
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
-from course_lib.dist import launch
+from course_lib.dist import device, launch
+from course_lib.dist.timing import clock
 
 
 def _median_seconds(tensors, repeats: int) -> float:
     samples = []
     for _ in range(repeats):
         dist.barrier()
-        start = time.perf_counter()
+        start = clock()
         for t in tensors:
             dist.all_reduce(t)
-        samples.append(time.perf_counter() - start)
+        samples.append(clock() - start)  # clock() waits for the device: the all-reduces have finished
     return statistics.median(samples)
 
 
 def _time_rank(sizes, total_bytes, bucket_sizes, repeats):
-    dist.all_reduce(torch.zeros(1024))  # warm-up: the first collective sets up the connections
-    single = {s: _median_seconds([torch.zeros(s // 4)], repeats) for s in sizes}
-    grads = torch.zeros(total_bytes // 4)
+    dev = device()
+    dist.all_reduce(torch.zeros(1024, device=dev))  # warm-up: the first collective sets up the connections
+    single = {s: _median_seconds([torch.zeros(s // 4, device=dev)], repeats) for s in sizes}
+    grads = torch.zeros(total_bytes // 4, device=dev)
     bucketed = {cap: _median_seconds(list(grads.split(cap // 4)), repeats) for cap in bucket_sizes}
     return single, bucketed
 

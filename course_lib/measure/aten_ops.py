@@ -146,19 +146,25 @@ def training_step_ops(model: torch.nn.Module, tokens, targets, optimizer: torch.
     return OpCensus(recorder.counts, views, core)
 
 
-def course_model_ops(cfg="tiny", batch: int = 2, seq_len: int = 16, seed: int = 0) -> OpCensus:
+def course_model_ops(
+    cfg="tiny", batch: int = 2, seq_len: int = 16, seed: int = 0, device: torch.device | str = "cpu"
+) -> OpCensus:
     """The operators of one AdamW training step of the course model built from ``cfg`` (a
-    :class:`~course_lib.model.config.ModelConfig` or a name for :func:`config`), on random tokens.
+    :class:`~course_lib.model.config.ModelConfig` or a name for :func:`config`), on random tokens,
+    run on ``device``.
 
-    ``torch.optim.AdamW`` with its CPU default (the per-parameter loop, ``foreach=False``): on a GPU
-    it would take the multi-tensor ``_foreach_*`` operators instead, another list to cover.
+    The census is the CPU step's by default. ``torch.optim.AdamW`` with its CPU default (the
+    per-parameter loop, ``foreach=False``): on a GPU it takes the multi-tensor ``_foreach_*``
+    operators instead, and SDPA another fused kernel, another list to cover (``device="cuda"``).
     """
     cfg = config(cfg) if isinstance(cfg, str) else cfg
     torch.manual_seed(seed)
-    model = Transformer(cfg)
+    model = Transformer(cfg).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len))
-    targets = torch.randint(0, cfg.vocab_size, (batch, seq_len))
+    # host: drawn on the CPU generator (the same tokens on any machine), then moved to the model's device
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len)).to(device)
+    # host: as the tokens: drawn on the CPU generator, then moved
+    targets = torch.randint(0, cfg.vocab_size, (batch, seq_len)).to(device)
     return training_step_ops(model, tokens, targets, optimizer)
 
 

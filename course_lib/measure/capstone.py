@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.data import MarkovLanguage, make_dataset
-from course_lib.dist import launch, trace
+from course_lib.dist import device, launch, trace
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.compose import Composed, Layout, sgd_one_process
@@ -44,7 +44,7 @@ def one_process(steps: int, lr: float, global_batch: int, seq_len: int, n_layers
 
 
 def _composed_rank(layout: Layout, steps, lr, global_batch, seq_len, n_layers, seed, data_seed, traced_step):
-    composed = Composed(_model(n_layers, seed), layout, global_batch)
+    composed = Composed(_model(n_layers, seed).to(device()), layout, global_batch)  # Composed computes where the model is
     opt = torch.optim.SGD(composed.parameters(), lr=lr)
     losses, spans = [], []
     for step, (x, y) in enumerate(_batches(steps, global_batch, seq_len, data_seed)):

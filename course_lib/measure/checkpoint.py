@@ -40,7 +40,7 @@ from course_lib.cost.checkpoint import (
     quantized_checkpoint_bytes,
 )
 from course_lib.data import MarkovLanguage, make_dataset
-from course_lib.dist import RankError, launch
+from course_lib.dist import RankError, device, launch
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.data.zero import Zero
@@ -57,8 +57,12 @@ def dataset():
 
 
 def _token_dropout(x: torch.Tensor, p: float = 0.1) -> torch.Tensor:
-    """Replace a fraction p of the tokens by random symbols, from this rank's global RNG."""
-    mask = torch.rand(x.shape) < p
+    """Replace a fraction p of the tokens of a host batch by random symbols, from this rank's global
+    CPU RNG: the generator whose state :mod:`course_lib.checkpoint.resume` saves and restores, so the
+    draws (and a resumed run) are the same on every machine. Move the result to the device after."""
+    assert x.device.type == "cpu", f"token dropout works on the host batch, before it moves to the device; got {x.device}"
+    mask = torch.rand(x.shape) < p  # host: the checkpointed CPU generator, identical draws on every machine
+    # host: the same checkpointed CPU generator, so a resumed run draws what the uninterrupted one drew
     return torch.where(mask, torch.randint(0, 16, x.shape), x)
 
 
@@ -107,7 +111,7 @@ def train(
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)  # the same initial weights everywhere (Zero broadcasts rank 0's anyway)
-    model = Transformer(configs.get("tiny", **MODEL))
+    model = Transformer(configs.get("tiny", **MODEL)).to(device())  # Zero keeps its shards on device()
     zero = Zero(model, stage, lr=LR, weight_decay=WEIGHT_DECAY, precision=precision)
     train_state = TrainState(step=0, seed=DATA_SEED, global_batch=GLOBAL_BATCH)
     torch.manual_seed(1000 + rank)  # each rank its own random stream (token dropout)
@@ -128,7 +132,8 @@ def train(
         if kill_at is not None and train_state.step == kill_at and rank == victim:
             os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no exception: as a node failure
         x, y = next(batches)
-        loss = model.loss(_token_dropout(x, dropout) if dropout else x, y)
+        x = _token_dropout(x, dropout) if dropout else x
+        loss = model.loss(x.to(device()), y.to(device()))
         loss.backward()
         zero.step()
         zero.zero_grad()
@@ -143,7 +148,7 @@ def train(
             sharded.save(root, train_state.step, state, keep=keep)
             if snapshots:
                 out["saved"][train_state.step] = full_state(zero)
-    out.update(state=full_state(zero), step=train_state.step, next_batch=next(batches), rng=torch.rand(4))
+    out.update(state=full_state(zero), step=train_state.step, next_batch=next(batches), rng=torch.rand(4))  # host: the CPU RNG's state
     return out
 
 
@@ -274,7 +279,7 @@ def _sizes_rank(root: str, block_incremental: int, block_quantized: int) -> dict
     out = {}
     for scenario in ("full training", "frozen"):
         torch.manual_seed(0)
-        model = Transformer(configs.get("tiny", **MODEL))
+        model = Transformer(configs.get("tiny", **MODEL)).to(device())
         if scenario == "frozen":  # fine-tune only the last block and the output layer
             for unit in (model.tok_embeddings, model.layers[0], model.norm):
                 unit.requires_grad_(False)
@@ -285,7 +290,7 @@ def _sizes_rank(root: str, block_incremental: int, block_quantized: int) -> dict
         where = Path(root) / scenario.replace(" ", "-")
         for step in range(1, 6):
             x, y = next(batches)
-            model.loss(_token_dropout(x), y).backward()
+            model.loss(_token_dropout(x).to(device()), y.to(device())).backward()
             zero.step()
             zero.zero_grad()
             if step == 4:  # the base: a full checkpoint and this rank's snapshot of it
@@ -298,7 +303,7 @@ def _sizes_rank(root: str, block_incremental: int, block_quantized: int) -> dict
         truth = full_state(zero)
         # rebuild step 5 from base + increments in a fresh optimizer: it must be the state bit for bit
         torch.manual_seed(1)
-        fresh = Zero(Transformer(configs.get("tiny", **MODEL)), 1, lr=LR, weight_decay=0.0)
+        fresh = Zero(Transformer(configs.get("tiny", **MODEL)).to(device()), 1, lr=LR, weight_decay=0.0)
         incremental.load(inc_path, _tensors(zero_state_dict(fresh)))
         load_zero_state(fresh, {"optim.step": 5})  # the step count was not saved (tensors only)
         rebuilt = full_state(fresh)

@@ -19,13 +19,13 @@ only in lines that ``lectures/sanitize.cfg`` replaces.
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 import torch.distributed as dist
 
 from course_lib.cost.comm import fit_alpha_beta, relative_errors
 from course_lib.dist import launch, runtime
+from course_lib.dist.timing import clock
 from course_lib.model.moe import Router
 
 COLLECTIVES = ("ring_all_reduce", "tree_all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
@@ -152,10 +152,9 @@ def _time_rank(sizes, collectives, repeats):
                 for _ in range(inner_count(s)):
                     x, y = message(s)
                     dist.barrier()
-                    start = time.perf_counter()
+                    start = clock()
                     ops[c](x, y)
-                    runtime.synchronize()
-                    times.append(time.perf_counter() - start)
+                    times.append(clock() - start)  # clock() waits for the device: the operation is done
                 samples[(c, s)].append(times)
     return samples
 
@@ -280,12 +279,13 @@ def route_distinct_nodes(
     Its gate gets orthonormal rows (d_model = E) and tokens are N(0, I), so every token's logits are
     independent standard normals: each token's top-k is a uniformly random set of k experts, the
     assumption of :func:`course_lib.cost.comm.expected_distinct_nodes`."""
+    # host: a Monte Carlo of routing in this process (a fresh CPU router, no rank): the same draws on any machine
     gen = torch.Generator().manual_seed(seed)
     router = Router(n_experts, n_experts, top_k, score="sigmoid", n_groups=n_nodes, topk_groups=node_limit)
     with torch.no_grad():
-        q, _ = torch.linalg.qr(torch.randn(n_experts, n_experts, generator=gen))
+        q, _ = torch.linalg.qr(torch.randn(n_experts, n_experts, generator=gen))  # host: the CPU router's gate
         router.gate.weight.copy_(q)
-        experts = router(torch.randn(n_tokens, n_experts, generator=gen)).experts
+        experts = router(torch.randn(n_tokens, n_experts, generator=gen)).experts  # host: tokens for the CPU router
     nodes = (experts // (n_experts // n_nodes)).sort(-1).values
     return 1 + (nodes[:, 1:] != nodes[:, :-1]).sum(-1)
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import data
-from course_lib.dist import counter, launch
+from course_lib.dist import counter, device, launch
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer, next_token_loss
 from course_lib.optim.compression import (
@@ -49,14 +49,15 @@ def global_batches(n: int, seed: int = 0) -> list:
 def _train_one(name: str, batches: list, lr: float) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same initial model for every hook
-    model = DistributedDataParallel(Transformer(configs.get("tiny")), bucket_cap_mb=CAP_MB)
+    dev = device()
+    model = DistributedDataParallel(Transformer(configs.get("tiny")).to(dev), bucket_cap_mb=CAP_MB)
     make, hook = HOOKS[name]
     if hook is not None:
         model.register_comm_hook(make(), hook)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses, sent = [], []
     for batch in batches:
-        x, y = (split_batch(t, rank, world) for t in batch)
+        x, y = (split_batch(t, rank, world).to(dev) for t in batch)  # the batches are drawn on the host
         opt.zero_grad(set_to_none=True)
         with counter.count() as c:
             loss = next_token_loss(model(x), y)

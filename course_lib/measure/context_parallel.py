@@ -11,7 +11,8 @@ from course_lib.parallel.context import ring_attention as ra
 
 def _traced_rank(batch, n_heads, n_kv_heads, seq_len, head_dim, layout, seed):
     rank, world = dist.get_rank(), dist.get_world_size()
-    g = torch.Generator().manual_seed(seed)  # the same full tensors on every rank; each keeps its shard
+    g = torch.Generator().manual_seed(seed)  # host: the same full tensors on every rank; each keeps its shard
+    # host: drawn on the CPU generator above; each rank moves its shard to its device below
     full = [torch.randn(batch, h, seq_len, head_dim, generator=g) for h in (n_heads, n_kv_heads, n_kv_heads)]
     q, k, v = (ra.shard(t, rank, world, layout).to(device()).requires_grad_() for t in full)
     for _ in range(2):  # the first pass warms up allocator and caches; the second is the one returned

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import data
-from course_lib.dist import launch, trace
+from course_lib.dist import device, launch, trace
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.data.ddp import DistributedDataParallel, split_batch
@@ -16,21 +16,23 @@ def _traced_rank(config: str, bucket_cap_mb: float, global_batch: int, seq_len: 
 
     torch.manual_seed(seed)
     cfg = configs.get(config)
-    model = DistributedDataParallel(Transformer(cfg), bucket_cap_mb=bucket_cap_mb)
+    dev = device()
+    model = DistributedDataParallel(Transformer(cfg).to(dev), bucket_cap_mb=bucket_cap_mb)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ds = data.make_dataset(data.MarkovLanguage(), global_batch * seq_len * 2 + 1, seq_len, seed=seed)
     x, y = next(ds.batches(global_batch, seed=seed))  # the same global batch on every rank
     rank, world = dist.get_rank(), dist.get_world_size()
-    x, y = split_batch(x, rank, world), split_batch(y, rank, world)
+    x, y = split_batch(x, rank, world).to(dev), split_batch(y, rank, world).to(dev)
     for _ in range(2):  # step 0 warms up allocator and caches; step 1 is the one returned
         opt.zero_grad()
         dist.barrier()
         with trace.record() as tl:
-            with trace.span("forward"):
+            # sync=True: each span ends when the device has finished its work (a no-op on CPU)
+            with trace.span("forward", sync=True):
                 loss = model.module.loss(x, y)
-            with trace.span("backward"):
+            with trace.span("backward", sync=True):
                 loss.backward()
-            with trace.span("optimizer"):
+            with trace.span("optimizer", sync=True):
                 opt.step()
     origin = min(s.start for s in tl.spans)
     return tl.spans, origin, model.bucket_names()

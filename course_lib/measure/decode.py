@@ -9,10 +9,9 @@ columns of one run, not runs on different days.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
+from course_lib.dist.timing import clock
 from course_lib.inference.cache import ContiguousCache
 from course_lib.inference.paged import PagedCache
 
@@ -23,25 +22,29 @@ __all__ = ["decode_speed"]
 def decode_speed(model, contexts, new_tokens: int = 16, caches=(None, "contiguous", "paged"), repeats: int = 3):
     """{cache: [decode tokens/s at each context length]}: the time of ``new_tokens`` decoding steps after a
     prompt of each length, prefill excluded, best of ``repeats`` (the least disturbed run). A step without
-    a cache is the model on the whole sequence so far; with one, the model on the last token."""
-    g = torch.Generator().manual_seed(0)
+    a cache is the model on the whole sequence so far; with one, the model on the last token. The
+    tokens go to the model's device; each run is timed until the device has finished it."""
+    dev = next(model.parameters()).device
+    g = torch.Generator().manual_seed(0)  # host: the same prompts on every machine, then moved to dev
     results = {cache: [] for cache in caches}
     for length in contexts:
-        prompt = torch.randint(0, model.cfg.vocab_size, (1, length), generator=g)
-        follow = torch.randint(0, model.cfg.vocab_size, (1, new_tokens), generator=g)
+        # host: drawn on the CPU generator above (identical on any machine), then moved to the model's device
+        prompt = torch.randint(0, model.cfg.vocab_size, (1, length), generator=g).to(dev)
+        # host: drawn on the CPU generator like the prompt, then moved to the model's device
+        follow = torch.randint(0, model.cfg.vocab_size, (1, new_tokens), generator=g).to(dev)
         for cache in caches:
             best = float("inf")
             for _ in range(repeats):
                 store = _fresh(cache, length + new_tokens)
                 if store is not None:
                     model(prompt, cache=store)  # prefill, not timed
-                start = time.perf_counter()
+                start = clock()
                 for i in range(new_tokens):
                     if store is None:
                         model(torch.cat([prompt, follow[:, : i + 1]], dim=1))
                     else:
                         model(follow[:, i : i + 1], cache=store)
-                best = min(best, time.perf_counter() - start)
+                best = min(best, clock() - start)
             results[cache].append(new_tokens / best)
     return results
 

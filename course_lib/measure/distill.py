@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 
 import torch
 
 from course_lib.data import MarkovLanguage, make_dataset
+from course_lib.dist.timing import clock
 from course_lib.model import config as configs
 from course_lib.model.config import ModelConfig
 from course_lib.model.transformer import Transformer
@@ -115,25 +115,25 @@ def distill(
     val = make_dataset(lang, val_sequences * seq_len + 1, seq_len, seed=10_000 + seed)
     seconds = {}
 
-    start = time.perf_counter()
+    start = clock()
     torch.manual_seed(seed)
     teacher = Transformer(teacher_cfg)
     teacher_losses = _train(teacher, lang, teacher_steps, batch, seq_len, lr, seed)
     teacher.eval()
-    seconds["teacher"] = time.perf_counter() - start
+    seconds["teacher"] = clock() - start
 
     torch.manual_seed(seed + 1)
     init = Transformer(student_cfg).state_dict()
     students = {}
     for name, kwargs in (("kd", dict(teacher=teacher, temperature=temperature, soft_weight=soft_weight)), ("ce", {})):
-        start = time.perf_counter()
+        start = clock()
         student = Transformer(student_cfg)
         student.load_state_dict(init)
         # the students see other batches than the teacher did (seed + 1): distillation transfers what the
         # teacher learned, not a memory of its own training windows
         losses = _train(student, lang, student_steps, batch, seq_len, lr, seed + 1, **kwargs)
         students[name] = {"losses": losses, **_evaluate(student.eval(), teacher, val.inputs, val.targets)}
-        seconds[name] = time.perf_counter() - start
+        seconds[name] = clock() - start
 
     return {
         "entropy_rate": lang.entropy_rate(),

@@ -16,7 +16,6 @@ sequences) so that 4 ranks over gloo on 2 CPU cores finish a call in seconds.
 from __future__ import annotations
 
 import itertools
-import time
 
 import torch
 import torch.distributed as dist
@@ -24,6 +23,7 @@ import torch.distributed as dist
 from course_lib.cost.comm import ep_dispatch_bytes, fp8_bytes_per_element
 from course_lib.data import MarkovLanguage, make_dataset
 from course_lib.dist import counter, device, launch, trace
+from course_lib.dist.timing import clock
 from course_lib.model import config as configs
 from course_lib.model.config import ModelConfig
 from course_lib.model.transformer import Transformer, next_token_loss
@@ -81,7 +81,7 @@ def _train_rank(
     for x, y in _batches(cfg, steps, batch, rank, world, seed=0):
         x, y = x.to(dev), y.to(dev)
         dist.barrier()
-        start = time.perf_counter()
+        start = clock()
         with trace.record() as timeline, counter.count() as sent:
             ce = next_token_loss(model(x), y)
             loss = ce + sum((v for m in model.moe_layers() for v in m.losses.values()), torch.zeros((), device=dev))
@@ -93,9 +93,9 @@ def _train_rank(
             loads = global_loads(model)
             if balance == "aux_free":
                 update_biases(model, loads, rate)
-        out["seconds"].append(time.perf_counter() - start)
+        out["seconds"].append(clock() - start)
         a2a = timeline.named("all_to_all_single")
-        nbytes = torch.tensor(float(sent.bytes("all_to_all_single")))
+        nbytes = torch.tensor(float(sent.bytes("all_to_all_single")), device=dev)  # NCCL reduces device tensors only
         dist.all_reduce(nbytes)  # the mean over ranks: a rank's combine sends back what it happened to receive
         out["a2a_bytes"].append(nbytes.item() / world)
         out["a2a_seconds"].append(sum(s.duration for s in a2a))
@@ -209,10 +209,10 @@ def _bandwidth_rank(nbytes: int, repeats: int) -> float:
     y = torch.empty_like(x)
     dist.all_to_all_single(y, x)  # warm-up: connections
     dist.barrier()
-    start = time.perf_counter()
+    start = clock()
     for _ in range(repeats):
         dist.all_to_all_single(y, x)
-    seconds = (time.perf_counter() - start) / repeats
+    seconds = (clock() - start) / repeats
     return nbytes * (world - 1) / world / seconds  # the bytes that leave the rank, per second
 
 

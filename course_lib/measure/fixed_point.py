@@ -7,6 +7,8 @@ round to nearest or stochastically. The gradient itself is computed in fp32: the
 update lands, on a grid of fixed spacing.
 """
 
+# device-guard: host-only: a 256 x 16 worked example computed in this process on the CPU generator, no rank and no device
+
 from __future__ import annotations
 
 import torch
