@@ -1,6 +1,7 @@
 """The commands behind ./course (the set-up itself is in that script).
 
 ./course lectures [--execute [--inplace]]   ./course test [pytest args]   ./course grade LAB [--solutions]
+./course gpu-check [--dry-run] [--plan] [--only NAMES]
 """
 
 from __future__ import annotations
@@ -122,7 +123,21 @@ def test(extra: list[str]) -> int:
     return subprocess.call(cmd, cwd=ROOT)
 
 
+def gpu_check(args: list[str]) -> int:
+    """./course gpu-check: a harness (course_lib.measure), so it runs as its own program, not imported here."""
+    return subprocess.call([sys.executable, "-m", "course_lib.measure.gpu_check", *args])
+
+
+# Commands that hand every later argument to another program as it is (argparse's REMAINDER refuses
+# one that starts with an option, such as `./course starters --check`).
+PASS_THROUGH = {"test": test, "grade": grade.main, "starters": starters.main, "gpu-check": gpu_check}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in PASS_THROUGH:
+        os.chdir(ROOT)
+        return PASS_THROUGH[argv[0]](argv[1:])
     parser = argparse.ArgumentParser(prog="./course", description="Efficient LLM Training — the course that runs.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("lectures", help="JupyterLab on lectures/ (or --execute them headless)")
@@ -131,27 +146,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, help="JupyterLab port")
     p.add_argument("--dir", type=Path, default=LECTURES, help="the notebook folder (default: lectures/)")
     p.add_argument("--build", type=Path, default=BUILD, help="where --execute writes HTML (default: build/lectures/)")
-    p = sub.add_parser("test", help="the whole test suite", add_help=False)
-    p.add_argument("pytest_args", nargs=argparse.REMAINDER)
-    p = sub.add_parser("grade", help="grade a lab", add_help=False)
-    p.add_argument("grade_args", nargs=argparse.REMAINDER)
+    sub.add_parser("test", help="the whole test suite (pytest arguments pass through)")
+    sub.add_parser("grade", help="grade a lab: LAB [--solutions]")
     p = sub.add_parser("portability", help="graders (--solutions) and nbval on every CPU of the matrix")
     p.add_argument("--labs-only", action="store_true", help="graders only, no nbval")
-    p = sub.add_parser("starters", help="regenerate labs/ from solutions/ (or --check)", add_help=False)
-    p.add_argument("starter_args", nargs=argparse.REMAINDER)
+    sub.add_parser(
+        "gpu-check", help="on a machine with NVIDIA GPUs: the checks only a GPU can show (--plan, --dry-run)"
+    )
+    sub.add_parser("starters", help="regenerate labs/ from solutions/ (or --check)")
     args = parser.parse_args(argv)
     os.chdir(ROOT)
     if args.command == "lectures":
         if args.inplace and not args.execute:
             parser.error("--inplace saves executed notebooks: use it with --execute")
         return lectures(args.execute, args.port, args.dir.resolve(), args.build.resolve(), args.inplace)
-    if args.command == "test":
-        return test(args.pytest_args)
-    if args.command == "grade":
-        return grade.main(args.grade_args)
-    if args.command == "portability":
-        return portability(args.labs_only)
-    return starters.main(args.starter_args)
+    return portability(args.labs_only)
 
 
 if __name__ == "__main__":
