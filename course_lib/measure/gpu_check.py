@@ -93,10 +93,10 @@ def check_device_choice(ctx: Context) -> str:
 
 
 def _operands(ctx: Context, m: int, k: int, n: int):
-    g = torch.Generator().manual_seed(0)  # host: drawn on the host, so every machine gets the same operands
-    a = torch.randn(m, k, generator=g).to(ctx.device)
-    b = torch.randn(n, k, generator=g).to(ctx.device)
-    return a, b
+    # host: drawn on the host, so every machine gets the same operands, then moved to the device
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)  # host: as above
+    return a.to(ctx.device), b.to(ctx.device)
 
 
 def _within_fp32_bound(got: torch.Tensor, a, b, out_dtype: torch.dtype) -> float:
