@@ -108,7 +108,9 @@ def _check_equal(results, name: str, exact: bool) -> None:
 def _check_p2p_only(results, name: str) -> None:
     for rank, r in enumerate(results):
         used = r[-2]
-        assert not used, f"{name} on rank {rank} called {sorted(used)}: build it from dist.isend/dist.recv only"
+        assert not used, (
+            f"{name} on rank {rank} called {sorted(used)}: build it from point-to-point calls only (the given _exchange)"
+        )
 
 
 # -------------------------------------------------------------------------------------- checks
