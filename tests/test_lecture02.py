@@ -26,7 +26,7 @@ from course_lib.cost.comm import (
     tp_block_comm_share,
     tp_received_elements,
 )
-from course_lib.dist import counter, launch
+from course_lib.dist import counter, device, launch
 from course_lib.parallel.tensor.nd import matmul_1d, matmul_2d, matmul_2p5d, matmul_3d
 
 LECTURE = Path(__file__).resolve().parent.parent / "lectures" / "02_data_and_tensor_parallelism.ipynb"
@@ -35,8 +35,9 @@ B, H, N = 16, 8, 12  # tokens, hidden in, hidden out: divisible by every grid us
 
 def _count(scheme, depth):
     g = torch.Generator().manual_seed(0)
-    x = torch.randint(-4, 5, (B, H), generator=g).float()  # integers: block sums are exact
-    w = torch.randint(-4, 5, (H, N), generator=g).float()
+    # host: drawn with a CPU generator (the same operands on any machine), then moved to the rank's device
+    x = torch.randint(-4, 5, (B, H), generator=g).float().to(device())  # integers: block sums are exact
+    w = torch.randint(-4, 5, (H, N), generator=g).float().to(device())
     run = {
         "1d": lambda: matmul_1d(x, w),
         "2d": lambda: matmul_2d(x, w, assemble=False),

@@ -80,12 +80,12 @@ def _traced_rank():
     import torch
     import torch.distributed as dist
 
-    from course_lib.dist import trace
+    from course_lib.dist import device, trace
 
     with trace.record() as tl:
         with trace.span("forward"):
-            x = torch.ones(1000).sum()
-        dist.all_reduce(torch.ones(4) * x)
+            x = torch.ones(1000, device=device()).sum()
+        dist.all_reduce(torch.ones(4, device=device()) * x)
     return tl.spans
 
 

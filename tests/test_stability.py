@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.dist import launch
+from course_lib.dist import device, launch
 from course_lib.measure import stability as harness
 from course_lib.optim.schedules import warmup_cosine, warmup_cosine_lambda
 from course_lib.optim.stability import SpikeGuard, clip_grad_norm_, global_grad_norm, logit_z_loss
@@ -99,8 +99,8 @@ def _sharded_clip(full_grads: list, max_norm: float):
     rank, world = dist.get_rank(), dist.get_world_size()
     shards = []
     for g in full_grads:
-        p = torch.nn.Parameter(torch.zeros(g.numel() // world))
-        p.grad = g.flatten().chunk(world)[rank].clone()
+        p = torch.nn.Parameter(torch.zeros(g.numel() // world, device=device()))
+        p.grad = g.to(device()).flatten().chunk(world)[rank].clone()  # the parent's gradients arrive on the host
         shards.append(p)
     norm = clip_grad_norm_(shards, max_norm, group=dist.group.WORLD)
     return norm, [p.grad for p in shards]

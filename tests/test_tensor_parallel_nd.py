@@ -4,20 +4,20 @@ import pytest
 import torch
 
 from course_lib.cost.comm import comm_elements
-from course_lib.dist import counter, launch
+from course_lib.dist import counter, device, launch
 from course_lib.parallel.tensor.nd import matmul_2d, matmul_2p5d, matmul_3d
 
 B, H, N = 16, 8, 12  # tokens, hidden in, hidden out: divisible by every grid used below
 
 
 def _operands():
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(0)  # host: the same operands in the parent and on every rank
     # Integer-valued: block products summed in any order are exact, so equality can be exact.
     return torch.randint(-4, 5, (B, H), generator=g).float(), torch.randint(-4, 5, (H, N), generator=g).float()
 
 
 def _run(scheme, depth=1):
-    x, w = _operands()
+    x, w = (t.to(device()) for t in _operands())
     fn = {"2d": matmul_2d, "3d": matmul_3d}.get(scheme)
     call = (lambda **k: matmul_2p5d(x, w, depth, **k)) if scheme == "2.5d" else (lambda **k: fn(x, w, **k))
     with counter.count() as c:
