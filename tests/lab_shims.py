@@ -88,7 +88,7 @@ def deterministic_mode(seed: int) -> None:
 
 def coordinates(rank: int, layout) -> tuple[int, int, int]:
     """Lab 10's role: (d, s, t) of ``rank`` on course_lib.dist.Mesh's grid [dp, pp, cp, tp] (cp = 1)."""
-    grid = torch.arange(layout.world_size).view(layout.dp, layout.pp, 1, layout.tp)
+    grid = torch.arange(layout.world_size).view(layout.dp, layout.pp, 1, layout.tp)  # host: only its indices are read
     d, s, _, t = (grid == rank).nonzero()[0].tolist()
     return d, s, t
 
