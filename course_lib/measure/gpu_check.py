@@ -234,7 +234,10 @@ def _run_row(row: Row, ctx: Context, deadline: float, env: dict) -> dict:
             out = subprocess.run(
                 row.command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=min(row.budget_s, left)
             )
-            tail = (out.stdout + out.stderr).strip().splitlines()[-1:] or [""]
+            # pytest's and the grader's summary is stdout's last line; a crash leaves its reason on stderr
+            tail = (out.stdout.strip() or out.stderr.strip()).splitlines()[-1:] or [""]
+            if out.returncode != 0 and out.stderr.strip():
+                tail = out.stderr.strip().splitlines()[-1:]
             result.update(status="PASS" if out.returncode == 0 else "FAIL", detail=tail[0][:200])
     except NotApplicable as e:
         result.update(status="N/A", detail=str(e))
