@@ -40,10 +40,10 @@ def model(name):
 
 
 def data(steps, vocab):
+    """This rank's token batches on its device, drawn on the host: the same tokens on every machine."""
     g = torch.Generator().manual_seed(1 + dist.get_rank())  # host: the same tokens on every machine
-    return [
-        torch.randint(0, vocab, (4, 33), generator=g).to(cdist.device()) for _ in range(steps)
-    ]  # host: drawn with g
+    # host: drawn with g, then moved to the device
+    return [torch.randint(0, vocab, (4, 33), generator=g).to(cdist.device()) for _ in range(steps)]
 
 
 def reference(name, steps):
