@@ -46,10 +46,8 @@ def data(args, n: int, rank: int):
     """This rank's tokens and a teacher network's outputs for them. All tokens share one offset: the
     untrained router then sends most of them to the same few experts."""
     g = torch.Generator().manual_seed(1)  # host: the same tokens on every machine, moved to the device below
-    x = torch.randn(n * args.tokens, args.d_model, generator=g) + torch.randn(
-        args.d_model, generator=g
-    )  # host: drawn with g
-    x = x.to(cdist.device())
+    x = torch.randn(n * args.tokens, args.d_model, generator=g)  # host: drawn with g, first (the order matters)
+    x = (x + torch.randn(args.d_model, generator=g)).to(cdist.device())  # host: drawn with g, then moved
     torch.manual_seed(2)
     with torch.no_grad():
         y = Expert(args.d_model, args.d_ff).to(x.device)(x)
