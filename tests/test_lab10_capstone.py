@@ -55,8 +55,8 @@ BUGS = {  # name: ([(what the solution says, what the bug says)], checks that mu
     "loss_summed_over_micro_batches": (
         [
             (
-                "    loss = torch.tensor(sum(result.losses.values()) / ly.m)",
-                "    loss = torch.tensor(sum(result.losses.values()))",
+                "    loss = torch.tensor(sum(result.losses.values()) / ly.m, device=device)",
+                "    loss = torch.tensor(sum(result.losses.values()), device=device)",
             )
         ],
         {lab10.check_training},
