@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from course_lib.cost import pipeline as cost
 from course_lib.cost.activations import activation_bytes_per_layer
-from course_lib.dist import counter, launch
+from course_lib.dist import counter, device, launch
 from course_lib.measure.pipeline import TORCH_SCHEDULES, measured_bubble, versus_torch
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer, next_token_loss
@@ -125,12 +125,12 @@ def _run(name, v, m=4, n_layers=None, tie=False, seed=0):
     p = dist.get_world_size()
     cfg = configs.get("tiny", n_layers=n_layers or p * v, tie_embeddings=tie)
     torch.manual_seed(seed)
-    reference = Transformer(cfg)
+    reference = Transformer(cfg).to(device())  # its stages, split below, run on the rank's device
     schedule = build(name, p, m, v)
     parts = stages.split(reference, schedule.n_stages)
     mine = {s: parts[s] for s in schedule.stages_of(dist.get_rank())}
-    g = torch.Generator().manual_seed(seed + 1)
-    tokens = torch.randint(0, cfg.vocab_size, (m, 2, 17), generator=g)
+    g = torch.Generator().manual_seed(seed + 1)  # host: the same tokens on any machine, moved to the device below
+    tokens = torch.randint(0, cfg.vocab_size, (m, 2, 17), generator=g).to(device())
     xs, ys = tokens[:, :, :-1], tokens[:, :, 1:]
     group = runtime.tied_group(schedule)
     with counter.count() as c:
