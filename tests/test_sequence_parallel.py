@@ -11,7 +11,7 @@ import torch.distributed as dist
 from test_tensor_parallel import CFG, RTOL, dense_model, max_rel_diff  # one model, one tolerance for TP and TP+SP
 
 from course_lib.cost.comm import ring_wire_bytes
-from course_lib.dist import Mesh, launch
+from course_lib.dist import Mesh, device, launch
 from course_lib.measure.tensor_parallel import collectives_per_layer
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer
@@ -24,7 +24,7 @@ from course_lib.parallel.tensor.sequence import shard_sequence, sync_sequence_pa
 def _primitives():
     group = Mesh(tp=dist.get_world_size()).group("tp")
     r = dist.get_rank()
-    full = torch.arange(2 * 8 * 3, dtype=torch.float32).view(2, 8, 3)  # the same on every rank
+    full = torch.arange(2 * 8 * 3, dtype=torch.float32, device=device()).view(2, 8, 3)  # the same on every rank
     gathered = all_gather_sequence(shard_sequence(full, group), group)
     mine = full * (r + 1)  # partial sums: their total is full * (1 + 2 + ... + t)
     scattered = reduce_scatter_sequence(mine, group)
@@ -46,8 +46,9 @@ def _sp_block_vs_dense(seed: int, sync: bool):
     mesh, dense, cos, sin = dense_model(seed, s)
     group = mesh.group("tp")
     block = TPBlock(dense.layers[0], mesh, sequence_parallel=True)
-    x = torch.randn(b, s, CFG.d_model, generator=torch.Generator().manual_seed(seed + 1)).requires_grad_(True)
-    dy = torch.randn(b, s, CFG.d_model, generator=torch.Generator().manual_seed(seed + 2))
+    # host: drawn with CPU generators (the same numbers on any machine), then moved to the rank's device
+    x = torch.randn(b, s, CFG.d_model, generator=torch.Generator().manual_seed(seed + 1)).to(device()).requires_grad_()
+    dy = torch.randn(b, s, CFG.d_model, generator=torch.Generator().manual_seed(seed + 2)).to(device())
     y = dense.layers[0](x, cos, sin)
     (y * dy).sum().backward()
     x_sp = shard_sequence(x.detach(), group).clone().requires_grad_(True)
@@ -119,10 +120,11 @@ def _sp_model_vs_dense(seed: int):
     mesh = Mesh(tp=dist.get_world_size())
     cfg = configs.get("tiny")
     torch.manual_seed(seed)
-    dense = Transformer(cfg)
+    dense = Transformer(cfg).to(device())
     model = TPTransformer(dense, mesh, sequence_parallel=True)
-    tokens = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(seed))
-    targets = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(seed + 1))
+    # host: drawn with CPU generators (the same tokens on any machine), then moved to the rank's device
+    tokens = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(seed)).to(device())
+    targets = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(seed + 1)).to(device())
     want = dense.loss(tokens, targets)
     want.backward()
     got = model.loss(tokens, targets)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib.data import MarkovLanguage, make_dataset
-from course_lib.dist import Mesh, counter, launch
+from course_lib.dist import Mesh, counter, device, launch
 from course_lib.measure.tensor_parallel import versus_megatron_core
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer
@@ -45,7 +45,8 @@ def max_rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _rank_inputs(seed: int, shape):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    """Drawn on the host (the same numbers on any machine), returned on the rank's device."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device())
 
 
 # ------------------------------------------------------------------------------ block vs dense
@@ -58,7 +59,7 @@ def dense_model(seed: int, s: int = 16):
     """
     mesh = Mesh(tp=dist.get_world_size())
     torch.manual_seed(seed)
-    dense = Transformer(CFG)
+    dense = Transformer(CFG).to(device())
     return mesh, dense, dense.rope_cos[:s], dense.rope_sin[:s]
 
 
@@ -113,7 +114,8 @@ def test_tp_block_outputs_and_gradients_equal_dense(tp):
 def _cross_entropy_ignoring(seed: int):
     group = Mesh(tp=dist.get_world_size()).group("tp")
     logits = _rank_inputs(seed, (3, 10, 64)) * 4
-    targets = torch.randint(0, 64, (3, 10), generator=torch.Generator().manual_seed(seed + 1))
+    # host: drawn with a CPU generator (the same targets on any machine), then moved to the rank's device
+    targets = torch.randint(0, 64, (3, 10), generator=torch.Generator().manual_seed(seed + 1)).to(device())
     targets[0, :3] = -100  # ignored positions
     logits.requires_grad_(True)
     want = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
@@ -145,13 +147,13 @@ def _train(tp_on: bool, steps: int, seed: int):
     mesh = Mesh(tp=dist.get_world_size())
     cfg = configs.get("tiny")
     torch.manual_seed(seed)
-    dense = Transformer(cfg)
+    dense = Transformer(cfg).to(device())
     model = TPTransformer.from_dense(dense, mesh) if tp_on else dense
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     data = make_dataset(MarkovLanguage(), 8 * 32 * steps + 1, 32, seed=seed)
     losses = []
-    for x, y in data.batches(8, seed=seed):
-        loss = model.loss(x, y)
+    for x, y in data.batches(8, seed=seed):  # the course data is drawn on the host
+        loss = model.loss(x.to(device()), y.to(device()))
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -187,11 +189,11 @@ def _versus_dtensor(seed: int):
 
     mesh = Mesh(tp=dist.get_world_size())
     torch.manual_seed(seed)
-    dense = Transformer(CFG).layers[0].feed_forward
+    dense = Transformer(CFG).to(device()).layers[0].feed_forward
     ours = TPMLP(dense, mesh)
     theirs = parallelize_module(
         copy.deepcopy(dense),
-        init_device_mesh("cpu", (dist.get_world_size(),)),
+        init_device_mesh(device().type, (dist.get_world_size(),)),
         {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()},
     )
     x = _rank_inputs(seed, (2, 16, CFG.d_model))
@@ -230,8 +232,8 @@ def _errors():
         "vocabulary": lambda: VocabParallelEmbedding(63, 8, mesh.group("tp")),
         "columns": lambda: ColumnParallelLinear(8, 7, mesh.group("tp")),
         "rows": lambda: RowParallelLinear(7, 8, mesh.group("tp")),
-        "sequence": lambda: TPTransformer(Transformer(configs.get("tiny")), mesh, sequence_parallel=True)(
-            torch.zeros(1, 15, dtype=torch.long)
+        "sequence": lambda: TPTransformer(Transformer(configs.get("tiny")).to(device()), mesh, sequence_parallel=True)(
+            torch.zeros(1, 15, dtype=torch.long, device=device())
         ),
     }
     for name, make in cases.items():
