@@ -17,27 +17,27 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.dist import launch, trace
+from course_lib.dist import device, launch, trace
 from course_lib.measure.ddp import trace_step
 from course_lib.measure.pipeline import measured_bubble
 
 
 def _ring_and_reduce(rounds: int):
     """Compute spans, a ring of point-to-point messages and two overlapping async all-reduces."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world, dev = dist.get_rank(), dist.get_world_size(), device()
     with trace.record() as tl:
         for r in range(rounds):
             with trace.span("work", step=r):
-                torch.randn(64, 64) @ torch.randn(64, 64)
-            out = torch.full((8,), float(rank))
-            got = torch.empty(8)
+                torch.randn(64, 64, device=dev) @ torch.randn(64, 64, device=dev)
+            out = torch.full((8,), float(rank), device=dev)
+            got = torch.empty(8, device=dev)
             send = dist.isend(out, (rank + 1) % world, tag=r)
             dist.recv(got, (rank - 1) % world, tag=r)
             send.wait()
-        a = dist.all_reduce(torch.ones(1000), async_op=True)
-        b = dist.all_reduce(torch.ones(1000), async_op=True)
+        a = dist.all_reduce(torch.ones(1000, device=dev), async_op=True)
+        b = dist.all_reduce(torch.ones(1000, device=dev), async_op=True)
         with trace.span("between"):
-            torch.randn(32, 32).sum()
+            torch.randn(32, 32, device=dev).sum()
         a.wait()  # a started first and ends first: the two comm spans overlap without nesting
         b.wait()
     return tl
