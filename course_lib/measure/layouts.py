@@ -15,13 +15,14 @@ on a few probe layouts, so that the planner can rank the others.
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 from course_lib.cost import planner
+from course_lib.dist import device
 from course_lib.dist.launch import launch
+from course_lib.dist.timing import clock, time_calls
 from course_lib.model import config as configs
 from course_lib.model.layers import rope_cos_sin
 from course_lib.model.transformer import Block, Transformer
@@ -30,24 +31,26 @@ from course_lib.parallel.compose import Composed, Layout, check_layout
 
 def _timed_step(composed: Composed, opt, x, y) -> float:
     dist.barrier()
-    start = time.perf_counter()
+    start = clock()
     composed.step(x, y)
     opt.step()
     opt.zero_grad()
     dist.barrier()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def _rank(layouts, cfg_name, overrides, global_batch, seq_len, rounds, steps, warmup) -> dict | None:
     torch.set_num_threads(1)  # 8 ranks share 2 cores: each computes on one thread, as the planner assumes
     cfg = configs.get(cfg_name, **overrides)
+    # host: drawn from a CPU generator so that every machine gets the same tokens; moved to the device
     g = torch.Generator().manual_seed(0)
-    x = torch.randint(cfg.vocab_size, (global_batch, seq_len), generator=g)
-    y = torch.randint(cfg.vocab_size, (global_batch, seq_len), generator=g)
+    x = torch.randint(cfg.vocab_size, (global_batch, seq_len), generator=g)  # host: drawn on the host, as g
+    y = torch.randint(cfg.vocab_size, (global_batch, seq_len), generator=g)  # host: drawn on the host, as g
+    x, y = x.to(device()), y.to(device())
     built = []
     for layout in layouts:
         torch.manual_seed(0)
-        composed = Composed(Transformer(cfg), layout, global_batch)
+        composed = Composed(Transformer(cfg).to(device()), layout, global_batch)
         opt = torch.optim.SGD(composed.parameters(), lr=1e-3)
         for _ in range(warmup):
             _timed_step(composed, opt, x, y)
@@ -81,12 +84,8 @@ def step_times(
 
 
 def _median_seconds(fn, repeats: int) -> float:
-    samples = []
-    for _ in range(repeats + 3):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples[3:])  # the first calls warm the allocator and the caches
+    # three untimed calls first: they warm the allocator and the caches
+    return statistics.median(time_calls(fn, repeats, warmup=3))
 
 
 def calibrate(cfg_name: str = "tiny", overrides: dict | None = None, seq_len: int = 32, repeats: int = 20):
@@ -97,17 +96,22 @@ def calibrate(cfg_name: str = "tiny", overrides: dict | None = None, seq_len: in
     cost: one block's forward + backward on a single sequence, less its 6 · (matmul parameters) · s
     FLOPs at that rate (forward 2, backward 4 FLOPs per parameter per token). Both on one thread,
     because each of the composed run's ranks computes on one.
+
+    A host measurement: the planner's shared-cores mode (:func:`shared_cores_cluster`) models CPU ranks
+    time-sharing this machine's cores, so the rate it needs is this CPU's, whatever accelerator is present
+    (on GPUs the planner reads the datasheet figures of ``course_lib.cost.hardware`` instead).
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         cfg = configs.get(cfg_name, **(overrides or {}))
+        # host: this CPU's matmul rate is the quantity measured (see the docstring)
         a, w = torch.randn(16 * seq_len, cfg.d_model), torch.randn(cfg.d_model, cfg.d_ff)
         rate = 2 * a.shape[0] * cfg.d_model * cfg.d_ff / _median_seconds(lambda: a @ w, repeats)
         torch.manual_seed(0)
         block = Block(cfg)
         cos, sin = rope_cos_sin(seq_len, cfg.head_dim, cfg.rope_theta)
-        h = torch.randn(1, seq_len, cfg.d_model, requires_grad=True)
+        h = torch.randn(1, seq_len, cfg.d_model, requires_grad=True)  # host: a CPU block pass, as `a` above
         params = sum(p.numel() for p in block.parameters() if p.dim() == 2)
         one_pass = _median_seconds(lambda: block(h, cos, sin).sum().backward(), repeats)
     finally:
@@ -168,7 +172,7 @@ def fit_shared_cores(
             ]
         )
         ys.append(seconds - base)
-    solution = torch.linalg.lstsq(
+    solution = torch.linalg.lstsq(  # host: a least-squares fit of a few measured seconds, arithmetic only
         torch.tensor(rows, dtype=torch.float64), torch.tensor(ys, dtype=torch.float64)[:, None]
     )
     pass_seconds, alpha, constant = solution.solution[:, 0].tolist()

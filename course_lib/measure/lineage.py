@@ -101,19 +101,22 @@ def fingerprint(model: Transformer, n_sequences: int = 256, seq_len: int | None 
     model's ``max_seq_len``, at most 64), drawn from ``probe_seed`` alone. Longer random contexts
     give a stronger signal than single tokens (measured over three families: relatives' z 6-29 at
     64 tokens, 1-22 at one token), presumably because attention then mixes many never-trained
-    embeddings.
+    embeddings. The probe is drawn on the host (the same tokens on every machine) and run on the
+    model's device, where F is returned.
     """
     vocab = model.cfg.vocab_size
     seq_len = min(model.cfg.max_seq_len, 64) if seq_len is None else seq_len
+    on = next(model.parameters()).device
+    # host: a CPU generator and its draw, so every machine probes with the same tokens (moved to `on`)
     g = torch.Generator().manual_seed(probe_seed)
-    tokens = torch.randint(0, vocab, (n_sequences, seq_len), generator=g)
+    tokens = torch.randint(0, vocab, (n_sequences, seq_len), generator=g).to(on)  # host: drawn by g, then moved
     was_training = model.training
     model.eval()
     log_p = F.log_softmax(model(tokens).float(), dim=-1).flatten(0, 1)  # [positions, vocab]
     model.train(was_training)
     current = tokens.flatten()
     counts = torch.bincount(current, minlength=vocab).clamp_min(1).unsqueeze(1)
-    return torch.zeros(vocab, vocab).index_add_(0, current, log_p) / counts
+    return torch.zeros(vocab, vocab, device=on).index_add_(0, current, log_p) / counts
 
 
 def _centred_ranks(table: torch.Tensor) -> torch.Tensor:
@@ -149,11 +152,12 @@ def lineage_score(
     tail = reference.mean(0).argsort()[:n_tail]  # the reference's least likely output tokens
     a, b = _centred_ranks(reference[:, tail]), _centred_ranks(candidate[:, tail])
     rho = float((a * b).sum())
-    g = torch.Generator().manual_seed(seed)
-    null = torch.empty(n_permutations, dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed)  # host: a CPU generator, so every machine draws the same null
+    null = torch.empty(n_permutations, dtype=torch.float64, device=a.device)
     for k in range(n_permutations):
+        # host: drawn by g (above), then moved to the fingerprints' device to index them
         rows, cols = torch.randperm(b.shape[0], generator=g), torch.randperm(b.shape[1], generator=g)
-        null[k] = (a * b[rows][:, cols]).sum()
+        null[k] = (a * b[rows.to(b.device)][:, cols.to(b.device)]).sum()
     z = (rho - null.mean().item()) / null.std().item()
     p = (1 + int((null >= rho).sum())) / (1 + n_permutations)
     return {"rho": rho, "z": z, "p": p}

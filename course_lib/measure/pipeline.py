@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed import pipelining
 
 from course_lib.dist import device, launch, trace
+from course_lib.dist.timing import clock
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer, next_token_loss
 from course_lib.parallel.pipeline import runtime, stages
@@ -44,17 +45,17 @@ def _step_torch(name, schedule, parts, xs, ys):
     batch, target = xs.flatten(0, 1), ys.flatten(0, 1)  # torch splits the batch into the m micro-batches
     losses: list = []
     args = (batch,) if 0 in held else ()
-    start = time.perf_counter()
+    start = clock()
     pipe.step(*args, target=target if schedule.n_stages - 1 in held else None, losses=losses)
-    return time.perf_counter() - start, [loss.item() for loss in losses]
+    return clock() - start, [loss.item() for loss in losses]
 
 
 def _compare_rank(name: str, m: int, v: int, config: str, batch: int, seq: int, seed: int, steps: int) -> dict:
     p = dist.get_world_size()
     cfg = configs.get(config, n_layers=p * v)
     schedule = build(name, p, m, v)
-    g = torch.Generator().manual_seed(seed + 1)
-    tokens = torch.randint(0, cfg.vocab_size, (m, batch, seq + 1), generator=g)
+    g = torch.Generator().manual_seed(seed + 1)  # host: a CPU generator, so every machine draws the same tokens
+    tokens = torch.randint(0, cfg.vocab_size, (m, batch, seq + 1), generator=g).to(device())  # host: drawn by g
     xs, ys = tokens[:, :, :-1].contiguous(), tokens[:, :, 1:].contiguous()
     grads, seconds = {}, {"course_lib": [], "torch": []}
     for who in ("course_lib", "torch"):
@@ -66,9 +67,9 @@ def _compare_rank(name: str, m: int, v: int, config: str, batch: int, seq: int, 
                 part.zero_grad(set_to_none=True)
             dist.barrier()
             if who == "course_lib":
-                start = time.perf_counter()
+                start = clock()
                 runtime.run_step(schedule, mine, xs, ys, next_token_loss, (batch, seq, cfg.d_model))
-                seconds[who].append(time.perf_counter() - start)
+                seconds[who].append(clock() - start)
             else:
                 seconds[who].append(_step_torch(name, schedule, parts, xs, ys)[0])
         grads[who] = {f"s{s}.{n}": p.grad.clone() for s, part in mine.items() for n, p in part.named_parameters()}
@@ -117,12 +118,14 @@ class _Sleep(torch.autograd.Function):
 
 
 class SleepStage(torch.nn.Module):
-    """A stage whose forward lasts ``t_f`` and backward ``t_b``: equal stages, whatever the cores do."""
+    """A stage whose forward lasts ``t_f`` and backward ``t_b``: equal stages, whatever the cores do.
+    Its one weight is made on ``on``, the device the runtime's activations arrive on (the rank's
+    :func:`course_lib.dist.device`)."""
 
-    def __init__(self, t_f: float, t_b: float):
+    def __init__(self, t_f: float, t_b: float, on: torch.device | str):
         super().__init__()
         self.t_f, self.t_b = t_f, t_b
-        self.weight = torch.nn.Parameter(torch.ones(1))
+        self.weight = torch.nn.Parameter(torch.ones(1, device=on))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _Sleep.apply(x.float() * self.weight, self.t_f, self.t_b)
@@ -130,8 +133,8 @@ class SleepStage(torch.nn.Module):
 
 def _bubble_rank(name: str, m: int, v: int, t_f: float, t_b: float) -> dict:
     schedule = build(name, dist.get_world_size(), m, v)
-    mine = {s: SleepStage(t_f / v, t_b / v) for s in schedule.stages_of(dist.get_rank())}
-    xs = [torch.zeros(1, 1) for _ in range(m)]
+    mine = {s: SleepStage(t_f / v, t_b / v, device()) for s in schedule.stages_of(dist.get_rank())}
+    xs = [torch.zeros(1, 1, device=device()) for _ in range(m)]
     dist.barrier()
     with trace.record() as timeline:
         runtime.run_step(schedule, mine, xs, xs, lambda y, _t: y.sum(), (1, 1))
@@ -168,8 +171,8 @@ def _memory_rank(name: str, m: int, v: int, batch: int, seq: int, seed: int) -> 
     torch.manual_seed(seed)
     parts = stages.split(Transformer(cfg).to(device()), schedule.n_stages)
     mine = {s: parts[s] for s in schedule.stages_of(dist.get_rank())}
-    g = torch.Generator().manual_seed(seed + 1)
-    tokens = torch.randint(0, cfg.vocab_size, (m, batch, seq + 1), generator=g)
+    g = torch.Generator().manual_seed(seed + 1)  # host: a CPU generator, so every machine draws the same tokens
+    tokens = torch.randint(0, cfg.vocab_size, (m, batch, seq + 1), generator=g).to(device())  # host: drawn by g
     r = runtime.run_step(
         schedule, mine, tokens[:, :, :-1], tokens[:, :, 1:], next_token_loss, (batch, seq, cfg.d_model)
     )

@@ -37,11 +37,11 @@ emulated in eager PyTorch (benchmarks/bench_fp8.py times the GEMMs on their own)
 from __future__ import annotations
 
 import itertools
-import time
 
 import torch
 
 from course_lib.data import MarkovLanguage, make_dataset
+from course_lib.dist.timing import clock
 from course_lib.model import config as configs
 from course_lib.model.config import ModelConfig
 from course_lib.model.transformer import Transformer, next_token_loss
@@ -126,13 +126,13 @@ def train_precision(
     bf16 = precision == "bf16"
     out = {"precision": precision, "loss": [], "seconds": [], "params": sum(p.numel() for p in model.parameters())}
     for x, y in _batches(lang or precision_language(), cfg, steps, batch, data_seed):
-        start = time.perf_counter()
+        start = clock()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss = next_token_loss(model(x), y)  # cross-entropy in fp32 whatever the logits' dtype
         opt.zero_grad(set_to_none=True)
         loss.backward()  # outside autocast, as torch recommends: backward ops run in their forward's dtype
         opt.step()
-        out["seconds"].append(time.perf_counter() - start)
+        out["seconds"].append(clock() - start)
         out["loss"].append(loss.item())
     return out
 

@@ -71,8 +71,9 @@ TF32 = FloatFormat("tf32", 8, 10, 127, "ieee", None)  # fp32's range, fp16's 10 
 
 def _grid_values(n: int, seed: int) -> torch.Tensor:
     """n float32 values in [−1, 1), each a multiple of 2⁻²⁴ (torch.rand draws k·2⁻²⁴; 2r − 1 keeps the grid)."""
+    # host: the lecture's summation experiment runs on the CPU, from a CPU generator (the same values everywhere)
     g = torch.Generator().manual_seed(seed)
-    return 2 * torch.rand(n, generator=g) - 1
+    return 2 * torch.rand(n, generator=g) - 1  # host: drawn by g, as above
 
 
 def summation_orders(n: int = 10_000, n_orders: int = 8, seed: int = 0) -> dict:
@@ -90,8 +91,8 @@ def summation_orders(n: int = 10_000, n_orders: int = 8, seed: int = 0) -> dict:
     if not 2 <= n <= 2**29:
         raise ValueError(f"n={n}: need 2 <= n <= 2**29 so that float64 sums of the grid values stay exact")
     x = _grid_values(n, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    perms = [torch.randperm(n, generator=g) for _ in range(n_orders)]
+    g = torch.Generator().manual_seed(seed + 1)  # host: the orders index the host values above
+    perms = [torch.randperm(n, generator=g) for _ in range(n_orders)]  # host: drawn by g, as above
     as_int = (x.double() * 2**24).long()  # exact: the values are on the 2⁻²⁴ grid
     return {
         "float32": [torch.sum(x[p]).item() for p in perms],

@@ -26,7 +26,15 @@ The measurements are interleaved: every round times the peak, the bandwidth and 
 each keeps its fastest round. A machine that is busy for part of the run then slows the roof and the
 kernels alike, instead of lowering one against the other. Threads: torch's setting as it is (lecture
 07 and tests/test_roofline.py set one thread, and say why).
+
+Host by design, on a GPU machine too: what is measured is the CPU (its BLAS, its caches, its DRAM), so
+every operand is made on the host and timed with the host's clock — a CPU kernel has returned when
+its call returns, and :func:`course_lib.dist.timing.clock` would only add a wait on an accelerator
+that takes no part (creating its context, in a process that needs none). An accelerator's roofline
+comes from its datasheet (:mod:`course_lib.cost.hardware`), or from a benchmark run on it.
 """
+
+# device-guard: host-only: this CPU's roofline is the measurement; no tensor here meets an accelerator
 
 from __future__ import annotations
 
@@ -164,9 +172,10 @@ def _runner(kern: cost_roofline.Kernel, cfg, working_set_bytes: int, weights: di
 
 
 def _seconds(fn: Callable[[], object]) -> float:
+    # host: a CPU kernel, synchronous; see the module's docstring for why not course_lib.dist.timing.clock
     t0 = time.perf_counter()
     fn()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0  # host: as above
 
 
 def measure_cpu_roofline(

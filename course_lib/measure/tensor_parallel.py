@@ -22,6 +22,7 @@ def _count_block_rank(cfg, batch, seq_len, settings, seed):
     results = {}
     for sp in settings:
         block = TPBlock(dense.layers[0], mesh, sequence_parallel=sp)
+        # host: drawn from a CPU generator, so every machine gets the same input; moved to the device
         x = torch.randn(batch, seq_len, cfg.d_model, generator=torch.Generator().manual_seed(seed)).to(device())
         x = (shard_sequence(x, mesh.group("tp")) if sp else x).clone().requires_grad_(True)
         with counter.count() as fwd:
@@ -53,10 +54,11 @@ def _tp_step_rank(n_layers: int, batch: int, seq_len: int, seed: int):
     mesh = Mesh(tp=dist.get_world_size())
     torch.manual_seed(seed)
     cfg = configs.get("tiny", n_layers=n_layers)
-    dense = Transformer(cfg)
+    dense = Transformer(cfg).to(device())
     model = TPTransformer.from_dense(dense, mesh)
-    gen = torch.Generator().manual_seed(seed + 1)
-    tokens, targets = (torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=gen) for _ in range(2))
+    gen = torch.Generator().manual_seed(seed + 1)  # host: a CPU generator, so every machine draws the same tokens
+    # host: drawn by gen (above), then moved to the device
+    tokens, targets = (torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=gen).to(device()) for _ in range(2))
     with counter.count() as fwd:
         loss = model.loss(tokens, targets)
     with counter.count() as bwd:
@@ -85,9 +87,13 @@ def _versus_megatron_core_rank(d_model: int, hidden: int, seed: int) -> dict:
 
         t = dist.get_world_size()
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=t)
-        config = ModelParallelConfig(tensor_model_parallel_size=t, use_cpu_initialization=True)
+        # Megatron makes its weights on the current CUDA device unless told to initialise on the CPU: the
+        # course's device decides (CPU ranks over gloo, or cuda:<local rank> under NCCL)
+        on = device()
+        config = ModelParallelConfig(tensor_model_parallel_size=t, use_cpu_initialization=on.type == "cpu")
         torch.manual_seed(seed)
         fc1, fc2 = torch.nn.Linear(d_model, hidden, bias=False), torch.nn.Linear(hidden, d_model, bias=False)
+        fc1, fc2 = fc1.to(on), fc2.to(on)
         group = Mesh(tp=t).group("tp")
         ours = ColumnParallelLinear.from_dense(fc1, group), RowParallelLinear.from_dense(fc2, group)
         zeros = torch.nn.init.zeros_  # the weights are copied from ours below
@@ -106,7 +112,8 @@ def _versus_megatron_core_rank(d_model: int, hidden: int, seed: int) -> dict:
         with torch.no_grad():
             for a, b in zip(ours, theirs, strict=True):
                 b.weight.copy_(a.weight)
-        x = torch.randn(4, 8, d_model, generator=torch.Generator().manual_seed(seed + 1))
+        # host: drawn from a CPU generator, so every machine gets the same input; moved to the device
+        x = torch.randn(4, 8, d_model, generator=torch.Generator().manual_seed(seed + 1)).to(on)
         x_ours, x_theirs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
         y_ours = ours[1](torch.nn.functional.gelu(ours[0](x_ours)))
         hidden_theirs, _ = theirs[0](x_theirs)  # Megatron returns (output, bias) so the bias add can be fused

@@ -31,8 +31,8 @@ def _measure_rank(config: str, precision: str, stages, seed: int, batch: int, se
         torch.manual_seed(seed)
         model = Transformer(configs.get(config)).to(device())
         zero = Zero(model, stage, lr=1e-3, precision=precision)
-        g = torch.Generator().manual_seed(seed + dist.get_rank())
-        x = torch.randint(0, model.cfg.vocab_size, (batch, seq + 1), generator=g).to(device())
+        g = torch.Generator().manual_seed(seed + dist.get_rank())  # host: the same tokens on every machine
+        x = torch.randint(0, model.cfg.vocab_size, (batch, seq + 1), generator=g).to(device())  # host: drawn by g
         with counter.count() as c:
             model.loss(x[:, :-1], x[:, 1:]).backward()
             zero.step()
@@ -116,8 +116,8 @@ def _zero3_rank(config: str, prefetches, seed: int, batch: int, seq: int) -> dic
         torch.manual_seed(seed)
         model = Transformer(configs.get(config)).to(device())
         zero = Zero(model, 3, lr=1e-3, precision="bf16", prefetch=prefetch)
-        g = torch.Generator().manual_seed(seed + dist.get_rank())
-        x = torch.randint(0, model.cfg.vocab_size, (batch, seq + 1), generator=g).to(device())
+        g = torch.Generator().manual_seed(seed + dist.get_rank())  # host: the same tokens on every machine
+        x = torch.randint(0, model.cfg.vocab_size, (batch, seq + 1), generator=g).to(device())  # host: drawn by g
         model.loss(x[:, :-1], x[:, 1:]).backward()  # warm-up: records the order prefetch follows
         zero.step()
         zero.zero_grad()
