@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from course_lib.dist import counter, launch
+from course_lib.dist import counter, device, launch
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer, next_token_loss
 from course_lib.parallel.data.zero import Zero, units
@@ -31,14 +31,17 @@ LR, WD, STEPS = 3e-3, 0.1, 5
 
 def _tokens(steps, seed=1):
     g = torch.Generator().manual_seed(seed + dist.get_rank())  # each rank its own data, as in DP
-    return [torch.randint(0, 64, (2, 17), generator=g) for _ in range(steps)]
+    # host: drawn with a CPU generator (the same tokens on any machine), then moved to the rank's device
+    return [torch.randint(0, 64, (2, 17), generator=g).to(device()) for _ in range(steps)]
 
 
 def _model(kind="tiny"):
+    """Drawn on the host from seed 0 (the same weights on any machine), returned on the rank's device, where Zero
+    expects it."""
     torch.manual_seed(0)
     if kind == "odd":  # unit sizes that N = 2 and 4 do not divide: the padding is exercised
-        return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 7), nn.Linear(7, 1))
-    return Transformer(configs.get("tiny"))
+        return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 7), nn.Linear(7, 1)).to(device())
+    return Transformer(configs.get("tiny")).to(device())
 
 
 def _loss(model, x):
