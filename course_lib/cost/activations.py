@@ -288,3 +288,55 @@ def recompute_flops(cfg: ModelConfig, batch: int, seq_len: int, policy) -> dict[
         "recompute": matmul + attention,
         "ratio": (step + matmul + attention) / step,
     }
+
+
+# ------------------------------------------------------------------ the device's attention kernel
+
+# Rows of log-sum-exp the fp32 SDPA kernel of each device pads the sequence to (see sdpa_extra_bytes).
+SDPA_LSE_ALIGN = {"cpu": 1, "cuda": 32}
+
+
+def sdpa_extra_bytes(
+    cfg: ModelConfig, batch: int, seq_len: int, attention: str = "flash", device_type: str = "cpu"
+) -> int:
+    """Bytes one attention call's saved outputs take on ``device_type`` beyond the terms above, which
+    read the CPU kernel ("flash": o and a·s·b fp32 log-sum-exp values). fp32 inputs, as the course model.
+
+    On CUDA, ``F.scaled_dot_product_attention`` cannot run FlashAttention on fp32 (fp16/bf16 only)
+    and runs the memory-efficient kernel (Rabe & Staats 2021, "Self-attention Does Not Need O(n²)
+    Memory"; xFormers' CUTLASS kernel, PyTorch's ``_efficient_attention_forward`` in
+    aten/src/ATen/native/transformers/cuda/attention.cu). It allocates its log-sum-exp as
+    [b, a, ⌈s/32⌉·32] (``kAlignLSE`` = 32: padded so that the backward kernel's loads stay aligned) and
+    returns two int64 scalars (the dropout RNG's seed and offset), which backward takes even without
+    dropout:
+
+        extra = 4·a·b·(⌈s/32⌉·32 − s) + 2·8 bytes      (CUDA, "flash"; 0 on the CPU)
+
+    The math kernel is the same composite of ops on every device: no extra. Read from PyTorch's
+    source; the course's machines had no GPU to measure it on (tests/test_device_recompute.py
+    checks the arithmetic, tests/test_recompute.py the whole model where it runs).
+    """
+    if attention not in ATTENTION_KERNELS:
+        raise ValueError(f"attention={attention!r}: use one of {ATTENTION_KERNELS} (the kernel SDPA runs)")
+    if device_type not in SDPA_LSE_ALIGN:
+        raise ValueError(
+            f"no model of what SDPA saves on {device_type!r} (known: {sorted(SDPA_LSE_ALIGN)}): measure it with "
+            "course_lib.measure.recompute.measure_recompute and add the device's kernel here"
+        )
+    if attention == "math" or device_type == "cpu":
+        return 0
+    align = SDPA_LSE_ALIGN[device_type]
+    padded = -(-seq_len // align) * align
+    return 4 * cfg.n_heads * batch * (padded - seq_len) + 2 * 8
+
+
+def recompute_kernel_extra(
+    cfg: ModelConfig, batch: int, seq_len: int, policy, attention: str = "flash", device_type: str = "cpu"
+) -> dict[str, int]:
+    """{"saved", "peak"}: bytes to add to :func:`recompute_peak_bytes` on ``device_type``: one
+    :func:`sdpa_extra_bytes` for each block whose K keeps the attention kernel's outputs ("none",
+    "selective"; "full" keeps only its input) and, at the peak, one more for the last block's E."""
+    policies = _check_recompute_args(cfg, policy)
+    extra = sdpa_extra_bytes(cfg, batch, seq_len, attention, device_type)
+    keeps = [p != "full" for p in policies]
+    return {"saved": extra * sum(keeps), "peak": extra * (sum(keeps[:-1]) + 1)}

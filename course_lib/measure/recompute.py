@@ -13,19 +13,25 @@ tensors that ops create and that are still alive, after every op), which sees al
 non-reentrant checkpoint, torch's own hooks replace it, so it sees only what checkpoint saves
 itself (each block's input), and selective checkpointing's cache of matmul outputs is held by a
 dispatch mode, not by autograd. ``"saved_hooks"`` reports what the hooks see, to show the gap.
+
+Every function runs on ``device`` (default :func:`course_lib.dist.device`: the CPU on a laptop, cuda:0
+in a notebook on a GPU machine). The bytes depend on it through the attention kernel: the model's
+terms read the CPU's, and :func:`~course_lib.cost.activations.recompute_kernel_extra` adds what CUDA's
+fp32 kernel saves beyond them (a log-sum-exp padded to 32 rows, two RNG scalars), so
+:func:`model_vs_measurement` compares like with like on either.
 """
 
 from __future__ import annotations
 
 import contextlib
 import statistics
-import time
 
 import torch
 import torch._functorch.config as functorch_config
 
-from course_lib.cost.activations import RECOMPUTE_POLICIES, recompute_peak_bytes
-from course_lib.dist import device, synchronize
+from course_lib.cost.activations import RECOMPUTE_POLICIES, recompute_kernel_extra, recompute_peak_bytes
+from course_lib.dist import device as rank_device
+from course_lib.dist.timing import clock
 from course_lib.measure.activations import LiveTensorMeter, SavedTensorMeter, sdpa_kernel
 from course_lib.measure.allocations import AllocationTrace
 from course_lib.model.config import ModelConfig
@@ -35,11 +41,15 @@ from course_lib.model.transformer import Transformer
 COMPILE_BACKENDS = ("aot_eager_decomp_partition", "inductor")
 
 
-def build(cfg: ModelConfig, policy="none", seed: int = 0) -> Transformer:
-    """The course model on :func:`course_lib.dist.device`, with ``policy`` set on its blocks: one name,
-    or one name per layer."""
+def _on(device) -> torch.device:
+    return rank_device() if device is None else torch.device(device)
+
+
+def build(cfg: ModelConfig, policy="none", seed: int = 0, device=None) -> Transformer:
+    """The course model on ``device`` (default :func:`course_lib.dist.device`), with ``policy`` set on
+    its blocks: one name, or one name per layer."""
     torch.manual_seed(seed)
-    model = Transformer(cfg).to(device())
+    model = Transformer(cfg).to(_on(device))
     policies = [policy] * cfg.n_layers if isinstance(policy, str) else list(policy)
     for i, p in enumerate(policies):
         set_recompute(model, p, [i])
@@ -56,14 +66,15 @@ def blocks_forward(model: Transformer, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _inputs(cfg: ModelConfig, batch: int, seq_len: int, seed: int):
+def _inputs(cfg: ModelConfig, batch: int, seq_len: int, seed: int, on: torch.device):
+    # host: a CPU generator and its draws, so every machine gets the same numbers; moved to `on`
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(batch, seq_len, cfg.d_model, generator=gen).to(device()).requires_grad_(True)
-    return x, torch.randn(batch, seq_len, cfg.d_model, generator=gen).to(device())
+    x = torch.randn(batch, seq_len, cfg.d_model, generator=gen).to(on).requires_grad_(True)  # host: drawn by gen
+    return x, torch.randn(batch, seq_len, cfg.d_model, generator=gen).to(on)  # host: drawn by gen, as above
 
 
 def measure_recompute(
-    cfg: ModelConfig, batch: int, seq_len: int, policy="none", attention: str = "flash", seed: int = 0
+    cfg: ModelConfig, batch: int, seq_len: int, policy="none", attention: str = "flash", seed: int = 0, device=None
 ) -> dict:
     """Bytes of activations of the blocks' forward and backward under ``policy`` (a name, or one per layer).
 
@@ -72,9 +83,11 @@ def measure_recompute(
     leaving out the parameters' and the input's gradients (model state, not activations);
     ``saved_hooks``: what saved-tensor hooks see (:class:`SavedTensorMeter`), for comparison;
     ``grads``: the gradients (input's first, then the parameters'), for the equality test.
+    On ``device`` (default :func:`course_lib.dist.device`).
     """
-    model = build(cfg, policy, seed)
-    x, grad_out = _inputs(cfg, batch, seq_len, seed)
+    on = _on(device)
+    model = build(cfg, policy, seed, on)
+    x, grad_out = _inputs(cfg, batch, seq_len, seed, on)
     s = seq_len
     hooks = SavedTensorMeter(exclude=model, constants=(model.rope_cos[:s], model.rope_sin[:s]))
     with sdpa_kernel(attention), LiveTensorMeter() as meter:
@@ -93,19 +106,23 @@ def measure_recompute(
 
 
 def model_vs_measurement(
-    cfg: ModelConfig, batch: int, seq_len: int, policies=RECOMPUTE_POLICIES, attention: str = "flash"
+    cfg: ModelConfig, batch: int, seq_len: int, policies=RECOMPUTE_POLICIES, attention: str = "flash", device=None
 ) -> list[dict]:
-    """For the lecture: one row per policy, the model's and the measured bytes saved and at the peak."""
+    """For the lecture: one row per policy, the model's and the measured bytes saved and at the peak, on
+    ``device`` (default :func:`course_lib.dist.device`); the model adds the device kernel's own extra
+    (:func:`~course_lib.cost.activations.recompute_kernel_extra`: 0 on the CPU)."""
+    on = _on(device)
     rows = []
     for policy in policies:
-        got = measure_recompute(cfg, batch, seq_len, policy, attention)
+        got = measure_recompute(cfg, batch, seq_len, policy, attention, device=on)
         model = recompute_peak_bytes(cfg, batch, seq_len, policy, attention)
+        extra = recompute_kernel_extra(cfg, batch, seq_len, policy, attention, on.type)
         rows.append(
             {
                 "policy": policy,
-                "model_saved": model["saved"],
+                "model_saved": model["saved"] + extra["saved"],
                 "measured_saved": got["saved"],
-                "model_peak": model["peak"],
+                "model_peak": model["peak"] + extra["peak"],
                 "measured_peak": got["peak"],
                 "saved_hooks": got["saved_hooks"],
             }
@@ -133,6 +150,7 @@ def measure_memory_budget(
     budgets=(1.0, 0.5, 0.0),
     backend: str = "aot_eager_decomp_partition",
     seed: int = 0,
+    device=None,
 ) -> dict[float, dict]:
     """Bytes the blocks save for backward under ``torch.compile`` at each activation memory budget.
 
@@ -151,14 +169,16 @@ def measure_memory_budget(
     with :class:`SavedTensorMeter`: the compiled forward hands its saved tensors to autograd, where the
     hooks see them (a dispatch mode, :class:`LiveTensorMeter`, would make dynamo run the code eagerly).
 
-    Returns {budget: {"saved": bytes, "grads": [input's gradient, then the parameters']}}.
+    Returns {budget: {"saved": bytes, "grads": [input's gradient, then the parameters']}}, measured on
+    ``device`` (default :func:`course_lib.dist.device`).
     """
     if backend not in COMPILE_BACKENDS:
         raise ValueError(
             f"backend {backend!r}: use one of {COMPILE_BACKENDS} (the backends whose partitioner reads the budget)"
         )
-    model = build(cfg, "none", seed)
-    x, grad_out = _inputs(cfg, batch, seq_len, seed)
+    on = _on(device)
+    model = build(cfg, "none", seed, on)
+    x, grad_out = _inputs(cfg, batch, seq_len, seed, on)
     constants = (model.rope_cos[:seq_len], model.rope_sin[:seq_len])
     out = {}
     for budget in budgets:
@@ -179,7 +199,7 @@ def measure_memory_budget(
                     else "run the blocks eagerly first (measure_recompute) to see whether the model itself fails"
                 )
                 raise RuntimeError(
-                    f"torch.compile(backend={backend!r}) failed on {device()}: {type(err).__name__}: {err}. {hint}"
+                    f"torch.compile(backend={backend!r}) failed on {on}: {type(err).__name__}: {err}. {hint}"
                 ) from err
             y.backward(grad_out)
         out[budget] = {"saved": hooks.bytes, "grads": [x.grad] + [p.grad for p in model.parameters()]}
@@ -187,7 +207,14 @@ def measure_memory_budget(
 
 
 def step_time_and_peak(
-    cfg: ModelConfig, batch: int, seq_len: int, policy="none", compile_budget=None, steps: int = 6, warmup: int = 2
+    cfg: ModelConfig,
+    batch: int,
+    seq_len: int,
+    policy="none",
+    compile_budget=None,
+    steps: int = 6,
+    warmup: int = 2,
+    device=None,
 ) -> dict:
     """One training step of the whole model (loss, forward + backward) under ``policy``, measured:
     {"step_s": median seconds over ``steps`` steps after ``warmup`` (which compile, if anything does),
@@ -201,13 +228,16 @@ def step_time_and_peak(
     it depends on kernels and threads. For a benchmark, not a test: timings vary with load.
 
     Every call compiles afresh (dynamo is reset: guards do not see the budget, so a second model of
-    the same shapes would otherwise reuse the first one's partition).
+    the same shapes would otherwise reuse the first one's partition). On ``device`` (default
+    :func:`course_lib.dist.device`), timed with :func:`course_lib.dist.timing.clock`.
     """
     if compile_budget is not None and policy != "none":
         raise ValueError("compile_budget replaces the eager policies: pass policy='none' with it")
-    model = build(cfg, policy)
+    on = _on(device)
+    model = build(cfg, policy, device=on)
+    # host: drawn from a CPU generator, so every machine gets the same tokens; moved to `on`
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
-    tokens = tokens.to(device())
+    tokens = tokens.to(on)
     loss_fn = model.loss
 
     def step():
@@ -221,13 +251,11 @@ def step_time_and_peak(
             loss_fn = torch.compile(model.loss, backend="inductor")
         for _ in range(max(warmup, 1)):  # one at least: the trace must not see the compilation
             step()
-        with AllocationTrace(device()) as trace:
+        with AllocationTrace(on) as trace:
             step()
         times = []
         for _ in range(steps):
-            synchronize()
-            start = time.perf_counter()
+            start = clock()
             step()
-            synchronize()
-            times.append(time.perf_counter() - start)
+            times.append(clock() - start)
     return {"step_s": statistics.median(times), "allocator_peak": trace.peak()}
