@@ -17,6 +17,22 @@ This file is also the program ``deepspeed_versus_zero`` launches:
 ``accelerate launch --config_file solutions/accelerate/deepspeed_zero2.yaml -m course_lib.measure.frameworks``.
 It reuses the lab 3 script (solutions/lab03_zero/train_deepspeed.py: its data, model and course-side
 training loop), so the lecture, the lab and tests/test_deepspeed.py train exactly the same thing.
+
+**One rule for the device of every side-by-side** (:func:`framework_devices`): the course decides, once,
+in :mod:`course_lib.dist.runtime` — ``device()`` (cpu under gloo, cuda:<local rank> under NCCL) and
+``backend()`` — and every framework is told that choice instead of guessing its own:
+
+    course (device, backend)   DeepSpeed DS_ACCELERATOR   accelerate backend   Fabric accelerator   Megatron init
+    cpu, gloo                  "cpu"                      "gloo"               "cpu"                on the CPU
+    cuda:r, nccl               "cuda"                     "nccl"               "cuda"               on cuda:r
+
+Left alone, DeepSpeed (and accelerate) pick CUDA whenever a GPU is visible and put rank r on cuda:r:
+on a 1-GPU machine running 2 ranks, where the course keeps its ranks on the CPU over gloo (NCCL refuses
+two ranks on one GPU), rank 1 would ask for a cuda:1 that does not exist, and rank 0 would train on the
+GPU while the course's batches sit on the CPU. The lab script applies the rule before DeepSpeed is
+imported and checks that the engine landed on the course's device
+(``use_course_device``, ``check_engine_device``); tests/test_device_frameworks.py checks the mapping
+and that the lab script's copy agrees with it.
 """
 
 from __future__ import annotations
@@ -30,6 +46,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -46,9 +63,11 @@ from course_lib.parallel.data.zero import Zero
 
 __all__ = [
     "FABRIC_GPU",
+    "FrameworkDevices",
     "accelerate_launch",
     "deepspeed_versus_zero",
     "fabric_versus_ddp",
+    "framework_devices",
     "fsdp2_versus_zero3",
 ]
 
@@ -63,6 +82,34 @@ FABRIC_GPU = {
     'sharding_strategy="FULL_SHARD"), precision="bf16-mixed")',
     "deepspeed": 'Fabric(accelerator="cuda", devices=8, strategy=DeepSpeedStrategy(stage=3), precision="bf16-mixed")',
 }
+
+
+# ------------------------------------------------------------------------------- the device rule
+
+
+@dataclass(frozen=True)
+class FrameworkDevices:
+    """What each framework is told so that it computes where the course's ranks do (module doc)."""
+
+    device: torch.device  # where both sides' models and batches live
+    backend: str  # the process group's backend (accelerate's InitProcessGroupKwargs)
+    deepspeed: str  # DS_ACCELERATOR
+    fabric: str  # Lightning Fabric's accelerator=
+    megatron_cpu_init: bool  # Megatron-Core's ModelParallelConfig(use_cpu_initialization=)
+
+
+def framework_devices(on: torch.device | str | None = None, backend_name: str | None = None) -> FrameworkDevices:
+    """The rule of the module doc, as a pure function of the course's choice (default: this rank's
+    ``course_lib.dist.device()`` and ``backend()``). A CPU device goes with gloo and an accelerator with
+    its own backend; any other pair is refused, since no framework could then agree with both."""
+    on = device() if on is None else torch.device(on)
+    backend_name = backend() if backend_name is None else backend_name
+    if (on.type == "cpu") != (backend_name == "gloo"):
+        raise ValueError(
+            f"device {on} with backend {backend_name!r}: the course pairs the CPU with gloo and an accelerator with "
+            "its own backend (nccl for CUDA); take both from course_lib.dist (device(), backend())"
+        )
+    return FrameworkDevices(on, backend_name, on.type, on.type, on.type == "cpu")
 
 
 # ------------------------------------------------------------------------------- accelerate launch
@@ -142,9 +189,11 @@ def _deepspeed_main(steps: int) -> None:
     from accelerate.utils import DummyOptim, InitProcessGroupKwargs
 
     lab = _lab03()
+    rule = framework_devices()
+    on = lab.use_course_device()  # DS_ACCELERATOR = rule.deepspeed, before accelerate imports DeepSpeed
     # Name the backend: accelerate 1.15 finds none for DeepSpeed on a CPU-only machine and would report
     # one process per rank (see the lab script); course_lib picks gloo or nccl.
-    accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend=backend())])
+    accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend=rule.backend)])
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None:
         raise SystemExit("no DeepSpeed plugin: launch with --config_file solutions/accelerate/deepspeed_zeroN.yaml")
@@ -152,6 +201,7 @@ def _deepspeed_main(steps: int) -> None:
     net = lab._model("tiny", 0)
     n_params = sum(p.numel() for p in net.parameters())
     engine, _ = accelerator.prepare(net, DummyOptim(net.parameters()))  # the optimizer is the JSON's
+    lab.check_engine_device(engine, on)
     losses = []
     for x, y in lab.batches(ds_config["train_micro_batch_size_per_gpu"], steps):
         loss = lab.next_token_loss(engine(x), y)
@@ -178,6 +228,7 @@ def _deepspeed_main(steps: int) -> None:
         result = {
             "ranks": accelerator.num_processes,
             "distributed_type": str(accelerator.distributed_type),
+            "device": str(on),
             "stage": stage,
             "n_params": n_params,
             "deepspeed": {"losses": losses, "state_bytes": ds_bytes},
@@ -224,12 +275,12 @@ def _fabric_rank(steps: int, lr: float, seed: int) -> dict:
     # The refusals are asked for with accelerator="cpu" on purpose, whatever this machine has.
     # Name DeepSpeed's accelerator (as the lab script does): asked for its "deepspeed" strategy below, Fabric
     # imports DeepSpeed, which otherwise logs a time-stamped warning while guessing it.
-    os.environ.setdefault("DS_ACCELERATOR", "cpu" if device().type == "cpu" else "cuda")
+    rule = framework_devices()
+    os.environ.setdefault("DS_ACCELERATOR", rule.deepspeed)
     cfg = configs.get("tiny")
     # Fabric finds LOCAL_RANK set (course_lib's launch started this rank) and the process group up, so it
     # spawns nothing and joins the group it finds: the same 2 gloo ranks run both trainings.
-    accelerator = "cpu" if device().type == "cpu" else "cuda"  # Fabric's name for course_lib's device
-    fabric = Fabric(accelerator=accelerator, devices=dist.get_world_size(), strategy="ddp")
+    fabric = Fabric(accelerator=rule.fabric, devices=dist.get_world_size(), strategy="ddp")
     fabric.launch()
     torch.manual_seed(seed)
     model = Transformer(cfg)

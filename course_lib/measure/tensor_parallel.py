@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.dist import Mesh, counter, device, launch
+from course_lib.measure.frameworks import framework_devices
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
@@ -88,9 +89,10 @@ def _versus_megatron_core_rank(d_model: int, hidden: int, seed: int) -> dict:
         t = dist.get_world_size()
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=t)
         # Megatron makes its weights on the current CUDA device unless told to initialise on the CPU: the
-        # course's device decides (CPU ranks over gloo, or cuda:<local rank> under NCCL)
-        on = device()
-        config = ModelParallelConfig(tensor_model_parallel_size=t, use_cpu_initialization=on.type == "cpu")
+        # course's device decides (measure/frameworks.py's rule: CPU ranks over gloo, or cuda:<local rank>)
+        rule = framework_devices()
+        on = rule.device
+        config = ModelParallelConfig(tensor_model_parallel_size=t, use_cpu_initialization=rule.megatron_cpu_init)
         torch.manual_seed(seed)
         fc1, fc2 = torch.nn.Linear(d_model, hidden, bias=False), torch.nn.Linear(hidden, d_model, bias=False)
         fc1, fc2 = fc1.to(on), fc2.to(on)
@@ -131,7 +133,8 @@ def _versus_megatron_core_rank(d_model: int, hidden: int, seed: int) -> dict:
 
 def versus_megatron_core(tp_size: int = 2, d_model: int = 16, hidden: int = 64, seed: int = 0) -> list[dict]:
     """An MLP, GeLU(X·A)·B, made of course_lib's column- and row-parallel layers and of Megatron-Core's
-    (``megatron.core.tensor_parallel``, 0.16.1, CPU initialisation, on gloo) with the same weights.
+    (``megatron.core.tensor_parallel``, 0.16.1) with the same weights, both on the course's device
+    (CPU initialisation on gloo; see :func:`course_lib.measure.frameworks.framework_devices`).
 
     Per rank: is each of output, input gradient and the two weight gradients bit-equal? They should be:
     both sides run the same matmuls on the same slices and the same all-reduces.

@@ -12,6 +12,12 @@ On CPU the run is fp32 (DeepSpeed's CPU accelerator has no fp16, and the compari
 without rounding). The first DeepSpeed start on a machine JIT-builds a small shared-memory
 communication op (about a minute); later starts reuse the build.
 
+Both sides run on the course's device and backend (``course_lib.dist.device()`` and ``backend()``:
+CPU ranks over gloo, or one GPU per rank over NCCL), and DeepSpeed is told the same: ``DS_ACCELERATOR``
+is the course device's type (:func:`use_course_device`; the rule is stated in
+``course_lib/measure/frameworks.py``). Left to itself, DeepSpeed picks CUDA whenever a GPU is present and
+puts rank r on cuda:r, even where the course's ranks stay on the CPU (4 ranks on a 1-GPU machine).
+
 The functions ``train_course`` and ``train_deepspeed`` run inside an initialised process group
 (``course_lib.dist.launch``, torchrun or accelerate launch): tests and benchmarks call them too.
 """
@@ -21,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -29,6 +34,7 @@ import torch.distributed as dist
 
 from course_lib.data import MarkovLanguage, make_dataset
 from course_lib.dist import backend, device
+from course_lib.dist.timing import clock
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer, next_token_loss
 from course_lib.parallel.data.zero import Zero
@@ -42,6 +48,38 @@ def load_config(stage: int) -> dict:
     if not path.exists():
         raise ValueError(f"no DeepSpeed config for ZeRO stage {stage!r} at {path}: the course ships stages 1, 2, 3")
     return json.loads(path.read_text())
+
+
+def deepspeed_accelerator(on: torch.device) -> str:
+    """DeepSpeed's name (``DS_ACCELERATOR``) for the course's device: its type, "cpu" only when the course's
+    ranks compute on the CPU. The same rule as course_lib.measure.frameworks.framework_devices."""
+    return torch.device(on).type
+
+
+def use_course_device() -> torch.device:
+    """Tell DeepSpeed the course's device before it is imported, and return that device.
+
+    A ``DS_ACCELERATOR`` already set to something else is refused: the engine would then put the model on
+    one device while the course's batches and collectives use another.
+    """
+    on = device()
+    want = deepspeed_accelerator(on)
+    have = os.environ.setdefault("DS_ACCELERATOR", want)
+    if have != want:
+        raise RuntimeError(
+            f"DS_ACCELERATOR={have!r}, but the course's ranks compute on {on} (backend {backend()!r}): unset "
+            f"DS_ACCELERATOR or set it to {want!r}; COURSE_BACKEND chooses the course's device"
+        )
+    return on
+
+
+def check_engine_device(engine, on: torch.device) -> None:
+    """DeepSpeed's engine must compute where the course's ranks do."""
+    if torch.device(engine.device) != on:
+        raise RuntimeError(
+            f"DeepSpeed put the model on {engine.device}, the course's device is {on}: "
+            f"DS_ACCELERATOR={os.environ.get('DS_ACCELERATOR')!r} must name {deepspeed_accelerator(on)!r}"
+        )
 
 
 def batches(micro_batch: int, steps: int, seed: int = 0, seq_len: int = 32):
@@ -72,12 +110,12 @@ def train_course(
     zero = Zero(net, stage, lr=opt["lr"], betas=tuple(opt["betas"]), eps=opt["eps"], weight_decay=opt["weight_decay"])
     losses, times = [], []
     for x, y in batches(ds_config["train_micro_batch_size_per_gpu"], steps, seed):
-        start = time.perf_counter()
+        start = clock()
         loss = next_token_loss(net(x), y)
         loss.backward()
         zero.step()
         zero.zero_grad()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
         losses.append(_mean(loss))
     return {"losses": losses, "step_s": times, "state_bytes": zero.model_state_bytes()["total"]}
 
@@ -91,20 +129,21 @@ def train_deepspeed(
     overrides: dict | None = None,
 ) -> dict:
     """DeepSpeed ZeRO via ``deepspeed.initialize`` in this process group: {"losses", "step_s"}."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu" if device().type == "cpu" else "cuda")
+    on = use_course_device()
     import deepspeed
 
     cfg = dict(ds_config or load_config(stage))
     cfg["zero_optimization"] = {**cfg["zero_optimization"], "stage": stage}
     net = _model(model, seed, overrides)
     engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+    check_engine_device(engine, on)
     losses, times = [], []
     for x, y in batches(cfg["train_micro_batch_size_per_gpu"], steps, seed):
-        start = time.perf_counter()
+        start = clock()
         loss = next_token_loss(engine(x), y)
         engine.backward(loss)
         engine.step()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
         losses.append(_mean(loss))
     engine.destroy()
     return {"losses": losses, "step_s": times}
@@ -116,6 +155,7 @@ def main() -> None:
     parser.add_argument("--model", default="tiny", choices=["tiny", "small"])
     args = parser.parse_args()
 
+    on = use_course_device()  # before accelerate imports DeepSpeed
     from accelerate import Accelerator
     from accelerate.utils import DummyOptim, InitProcessGroupKwargs
 
@@ -129,13 +169,13 @@ def main() -> None:
         )
     stage, ds_config = plugin.zero_stage, plugin.deepspeed_config
     say = accelerator.print
-    say(
-        f"{accelerator.num_processes} ranks, {accelerator.distributed_type}, DeepSpeed ZeRO-{stage}, "
-        f"device {accelerator.device}"
-    )
+    # The device is the course's (accelerate's own guess, accelerator.device, says cuda:0 on a GPU machine
+    # even where the course's ranks stay on the CPU; nothing here uses it).
+    say(f"{accelerator.num_processes} ranks, {accelerator.distributed_type}, DeepSpeed ZeRO-{stage}, device {on}")
 
     net = _model(args.model, 0)
     engine, _ = accelerator.prepare(net, DummyOptim(net.parameters()))  # the optimizer comes from the JSON
+    check_engine_device(engine, on)
     ds_losses = []
     for x, y in batches(ds_config["train_micro_batch_size_per_gpu"], args.steps):
         loss = next_token_loss(engine(x), y)
