@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from course_lib.dist import device
 from course_lib.dist.mesh import Mesh
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.expert.layer import ExpertParallelMoE, expert_parallel, expert_params
@@ -129,11 +130,20 @@ class Composed:
     """This rank's part of a DP × TP × PP model, built from a dense model of the same seed.
 
     Call on every rank of a world of ``layout.world_size``; every rank passes the same dense
-    ``model`` (it keeps only its stage, split over its TP group).
+    ``model`` (it keeps only its stage, split over its TP group), already on the rank's device
+    (``model.to(course_lib.dist.device())``): the stage computes where the model is, and the
+    collectives need it there. The batches given to :meth:`step` may stay on the host: each
+    micro-batch is moved to the stage's device when it enters the pipeline.
     """
 
     def __init__(self, model: Transformer, layout: Layout, global_batch: int):
         check_layout(layout, model.cfg, global_batch)
+        where = {str(p.device) for p in model.parameters()} - {str(device())}
+        if where:
+            raise ValueError(
+                f"the model's parameters are on {sorted(where)} but this rank computes on {device()}: "
+                "pass model.to(course_lib.dist.device()), so that its stage and its collectives are on one device"
+            )
         self.layout, self.cfg, self.global_batch = layout, model.cfg, global_batch
         self.mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep)
         self.schedule = schedules.build(layout.schedule, layout.pp, layout.m)
@@ -181,7 +191,8 @@ class Composed:
         self._average_over_dp()
         if not self.stage.last:
             return None
-        loss = torch.tensor(sum(result.losses.values()) / m)
+        # on the stage's device: NCCL reduces device tensors only (the numbers are the same on CPU)
+        loss = torch.tensor(sum(result.losses.values()) / m, device=device())
         dist.all_reduce(loss, group=self.mesh.group("dp"))
         return loss.item() / self.layout.dp
 
@@ -206,7 +217,9 @@ class Composed:
     def dense_state(self) -> dict[str, torch.Tensor]:
         """The whole model's parameters, gathered on every rank (TP shards joined, stages collected).
 
-        Collective over the world. For checks against single-process training.
+        Collective over the world. For checks against single-process training. The result is on the
+        host (CPU copies): it is gathered as Python objects, and a pickled CUDA tensor would be
+        unpickled onto the *sender's* GPU on every rank.
         """
         tp = self.mesh.group("tp")
         mine = {}
@@ -219,7 +232,7 @@ class Composed:
                 parts = [torch.empty_like(p) for _ in range(self.layout.tp)]
                 dist.all_gather(parts, p.detach().contiguous(), group=tp)
                 full = torch.cat(parts, dim=dim)
-            mine[names[name]] = full
+            mine[names[name]] = full.cpu()  # host: pickled for all_gather_object (see the docstring)
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         out = {}
@@ -230,12 +243,14 @@ class Composed:
 
 def sgd_one_process(model, batches, lr: float) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The reference every composed run is checked against: plain SGD on one process over whole global
-    batches. Returns (loss of every step, final parameters by name); ``model`` itself is left untouched."""
+    batches. Returns (loss of every step, final parameters by name); ``model`` itself is left untouched.
+    The batches may stay on the host: each is moved to the model's device."""
     model = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
+    at = next(model.parameters()).device
     losses = []
     for x, y in batches:
-        loss = model.loss(x, y)
+        loss = model.loss(x.to(at), y.to(at))
         loss.backward()
         opt.step()
         opt.zero_grad()

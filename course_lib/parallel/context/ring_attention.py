@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.dist import trace
+from course_lib.dist.p2p import exchange
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -67,13 +68,14 @@ def _check_seq(seq_len: int, world: int, layout: str) -> int:
     return seq_len // parts
 
 
-def positions(seq_len: int, rank: int, world: int, layout: str = "zigzag") -> torch.Tensor:
-    """Global positions of the tokens rank ``rank`` holds, in its local order (RoPE needs them)."""
+def positions(seq_len: int, rank: int, world: int, layout: str = "zigzag", device=None) -> torch.Tensor:
+    """Global positions of the tokens rank ``rank`` holds, in its local order (RoPE needs them), on
+    ``device`` (the default device when None; :func:`shard` asks for the sharded tensor's)."""
     c = _check_seq(seq_len, world, layout)
     if layout == "contiguous":
-        return torch.arange(rank * c, (rank + 1) * c)
+        return torch.arange(rank * c, (rank + 1) * c, device=device)
     a, b = zigzag_chunks(rank, world)
-    return torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])
+    return torch.cat([torch.arange(a * c, (a + 1) * c, device=device), torch.arange(b * c, (b + 1) * c, device=device)])
 
 
 def chunk_owners(world: int, layout: str = "zigzag") -> list[int]:
@@ -91,16 +93,16 @@ def chunk_owners(world: int, layout: str = "zigzag") -> list[int]:
 
 def shard(x: torch.Tensor, rank: int, world: int, layout: str = "zigzag", dim: int = -2) -> torch.Tensor:
     """This rank's part of a full-sequence tensor (sequence along ``dim``)."""
-    return x.index_select(dim, positions(x.shape[dim], rank, world, layout).to(x.device))
+    return x.index_select(dim, positions(x.shape[dim], rank, world, layout, device=x.device))
 
 
 def unshard(shards: list[torch.Tensor], layout: str = "zigzag", dim: int = -2) -> torch.Tensor:
     """The full sequence from every rank's shard, in rank order (the inverse of :func:`shard`)."""
     world = len(shards)
     seq_len = shards[0].shape[dim] * world
-    order = torch.cat([positions(seq_len, r, world, layout) for r in range(world)])
     full = torch.cat(shards, dim=dim)
-    return full.index_select(dim, torch.argsort(order).to(full.device))
+    order = torch.cat([positions(seq_len, r, world, layout, device=full.device) for r in range(world)])
+    return full.index_select(dim, torch.argsort(order))
 
 
 # ------------------------------------------------------------------- attention on one block pair
@@ -202,14 +204,20 @@ class _Ring:
         """Post sends of ``tensors`` to the right and receives of as many from the left; return a
         function that waits and hands back what arrived. Non-blocking, so the caller computes on
         one block while the next travels: the overlap ring attention relies on. The tag keeps the
-        backward's two streams (K/V, and dK/dV) apart."""
+        backward's two streams (K/V, and dK/dV) apart.
+
+        Sends and receives are posted as one batch (:func:`course_lib.dist.p2p.exchange`): on a ring
+        of two, right and left are the same rank, and a send posted before the receive on that link
+        would cross the peer's own send, which deadlocks under NCCL once a block outgrows NCCL's
+        eager buffer. The calls are still ``isend`` / ``irecv`` (the counter and the trace see them)."""
         received = [torch.empty_like(t) for t in tensors]
-        works = [dist.isend(t.contiguous(), self.right, group=self.group, tag=tag) for t in tensors]
-        works += [dist.irecv(r, self.left, group=self.group, tag=tag) for r in received]
+        sends = [(t.contiguous(), self.right) for t in tensors]
+        works = exchange(sends=sends, recvs=[(r, self.left) for r in received], group=self.group, tag=tag)
 
         def wait():
             for w in works:
                 w.wait()
+            sends.clear()  # the contiguous copies stay alive until their sends have completed
             return received
 
         return wait

@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from course_lib.dist import trace
+from course_lib.dist import device, trace
 from course_lib.parallel.data.comm_hook import GradBucket
 
 MB = 1024 * 1024  # torch counts bucket_cap_mb in MiB: cap_bytes = int(bucket_cap_mb * 2**20)
@@ -134,11 +134,13 @@ class Bucket:
 class DistributedDataParallel(nn.Module):
     """Wrap ``module`` so that ``loss.backward()`` leaves rank-averaged gradients in ``param.grad``.
 
-        model = DistributedDataParallel(Transformer(cfg), bucket_cap_mb=25)
+        model = DistributedDataParallel(Transformer(cfg).to(device()), bucket_cap_mb=25)
         loss = model.module.loss(x, y)   or   next_token_loss(model(x), y)
         loss.backward()                  # hooks all-reduce buckets while backward runs
         optimizer.step()
 
+    ``module`` must already be on the rank's device (``course_lib.dist.device()``), as torch's DDP
+    expects: the wrapper broadcasts and reduces its tensors where they are and moves nothing.
     ``group``: the data-parallel process group (``None``: the world; ``mesh.group("dp")`` when
     data parallelism is one axis of a device mesh).
     """
@@ -161,6 +163,12 @@ class DistributedDataParallel(nn.Module):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the module has no parameters that require gradients: nothing to synchronise")
+        placed = {str(t.device) for t in [*module.parameters(), *module.buffers()]} - {str(device())}
+        if placed:  # NCCL broadcasts and all-reduces device tensors only
+            raise ValueError(
+                f"the module's tensors are on {sorted(placed)} but this rank computes on {device()}: move it "
+                "first, DistributedDataParallel(module.to(course_lib.dist.device()), ...), and its batches with it"
+            )
         kinds = {(p.dtype, p.device) for _, p in named}
         if len(kinds) > 1:
             raise ValueError(

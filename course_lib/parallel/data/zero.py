@@ -35,6 +35,7 @@ forward/backward prefetch do. On a GPU the early all-gather runs on another stre
 the current unit's compute; the price is memory: up to k + 1 units gathered at once instead of one
 (:func:`course_lib.cost.memory.zero3_gathered_peak_bytes`, measured in lecture 02).
 
+    model = model.to(course_lib.dist.device())  # the caller places the model (and its batches)
     zero = Zero(model, stage=2, lr=1e-3, weight_decay=0.1, precision="bf16")
     loss = model.loss(x, y)    # stage 3: hooks gather each unit's parameters
     loss.backward()            # stages 2-3: hooks reduce-scatter each unit's gradients
@@ -151,6 +152,13 @@ class Zero:
             raise RuntimeError(
                 "Zero needs torch.distributed initialised: run under course_lib.dist.launch, "
                 "accelerate launch or torchrun"
+            )
+        placed = {str(t.device) for t in [*model.parameters(), *model.buffers()]} - {str(compute_device())}
+        if placed:
+            raise ValueError(
+                f"the model's tensors are on {sorted(placed)} but this rank computes on {compute_device()}: "
+                "move the model first, Zero(model.to(course_lib.dist.device()), ...), and its batches with it "
+                "(x.to(course_lib.dist.device())); Zero shards the parameters where they are and does not move them"
             )
         self.model, self.stage, self.group = model, stage, group
         self.lr, (self.beta1, self.beta2), self.eps, self.weight_decay = lr, betas, eps, weight_decay

@@ -10,13 +10,27 @@ Each rank walks its action list from :mod:`course_lib.parallel.pipeline.schedule
             stage waits for), later to the weights (what nobody waits for). Here W runs autograd a
             second time from the stage's output, so its gradients are exact but it re-does part of
             I's work; torch.distributed.pipelining keeps I's intermediate gradients instead.
-    SEND_*  ``dist.isend`` (non-blocking; completed before the step returns)
-    RECV_*  ``dist.recv`` (blocking). NCCL ignores tags and matches a pair's messages in the order
-            they were sent, and a schedule may need them in another order (DualPipeV at p >= 3: a
-            rank sends chunk 0's activations and chunk 1's gradients down the same link). So a
-            rank receives each neighbour's messages in *the sender's* order — every rank knows every
-            list — and keeps the ones that come early until their action needs them. Each message
-            also carries a tag per (kind, micro-batch, stage), which gloo checks.
+    SEND_*  ``dist.isend``, posted together with this rank's next receive (below); completed
+            before the step returns
+    RECV_*  ``dist.irecv``, waited for at once. NCCL ignores tags and matches a pair's messages in
+            the order they were sent, and a schedule may need them in another order (DualPipeV at
+            p >= 3: a rank sends chunk 0's activations and chunk 1's gradients down the same link).
+            So a rank receives each neighbour's messages in *the sender's* order — every rank knows
+            every list — and keeps the ones that come early until their action needs them. Each
+            message also carries a tag per (kind, micro-batch, stage), which gloo checks.
+
+A send that a receive follows goes out with it. In 1F1B's steady state two neighbours each send
+to the other and then receive from it (stage s sends F(i) and waits for B(j); stage s+1 sends B(j)
+and waits for F(i+1)): a *crossing* pair. Gloo buffers the sends, but under NCCL a send kernel
+waits for its receive, and both receives would queue behind the sends on the same stream: a
+deadlock once the message is larger than NCCL's eager buffer. So a send is held until the rank's
+next receive or compute action: every held send and that receive are posted as one
+``dist.batch_isend_irecv`` (one NCCL group, see :mod:`course_lib.dist.p2p`; torch.distributed.
+pipelining's 1F1B fuses its sends and receives the same way), and before a compute action the held
+sends are posted alone — as early as an immediate ``isend``, so the pipeline's timing is unchanged.
+Every pair's messages keep their order. The calls are the same ``isend`` / ``irecv`` with the same
+tags (``p2p.exchange`` takes one tag per batch, so the batch is built here with each message's
+own), and on gloo the numbers are bit for bit those of a blocking receive.
 
 A stage's saved input and output are dropped when its last backward action for that micro-batch
 has run: that is the moment its activations are freed, and ``peak_in_flight`` counts them.
@@ -106,17 +120,31 @@ def run_step(
 
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
-    sends, result = [], StepResult()
+    outbox: list[dist.P2POp] = []  # sends not posted yet: they go with the next receive (module doc)
+    posted: list = []  # every batch's works, waited for before the step returns
+
+    def post(receive: dist.P2POp | None = None) -> None:
+        """Post the held sends and ``receive`` as one batch; wait for the receive, keep the rest."""
+        ops = [*outbox, *([receive] if receive is not None else [])]
+        outbox.clear()
+        works = dist.batch_isend_irecv(ops) if ops else []
+        if receive is not None:  # its work is the last: gloo returns one per op, NCCL one for the batch
+            works.pop().wait()  # (a gloo work must not be waited for twice: the second wait never returns)
+        posted.extend(works)
+
+    result = StepResult()
     arrivals = {src: arrival_order(schedule, src, rank) for src in range(schedule.p) if src != rank}
     for a in schedule.actions[rank]:
         key, s = (a.microbatch, a.stage), a.stage
+        if a.op not in (SEND_F, SEND_B, RECV_F, RECV_B):
+            post()  # compute next: the held sends leave now, as early as an isend would have
         if a.op in (RECV_F, RECV_B):
             kind, src = a.op[-1], s - 1 if a.op == RECV_F else s + 1
             sender = schedule.placement[src]
             while (kind, a.microbatch, s) not in inbox:  # receive in the sender's order until ours is in
                 k, mb, their = arrivals[sender].pop(0)
                 t = torch.empty(hidden_shape, dtype=dtype, device=device)
-                dist.recv(t, peer(their), group=group, tag=_tag(k, mb, their, n))
+                post(dist.P2POp(dist.irecv, t, peer(their), group, _tag(k, mb, their, n)))
                 inbox[(k, mb, their + 1 if k == "F" else their - 1)] = t
         elif a.op == F:
             with trace.span("F", mb=a.microbatch, stage=s), counting(key):
@@ -136,8 +164,7 @@ def run_step(
             result.activation_bytes[s] = held.get(key, 0)
             result.peak_activation_bytes = max(result.peak_activation_bytes, sum(held.values()))
         elif a.op == SEND_F:
-            out = saved[key][1].detach()
-            sends.append((dist.isend(out, peer(s + 1), group=group, tag=_tag("F", *key, n)), out))
+            outbox.append(dist.P2POp(dist.isend, saved[key][1].detach(), peer(s + 1), group, _tag("F", *key, n)))
         elif a.op in (B, I):
             x, y = saved[key] if a.op == I else saved.pop(key)
             if a.op == B:
@@ -161,10 +188,11 @@ def run_step(
                 torch.autograd.backward(y, grad, inputs=params)
         elif a.op == SEND_B:
             dx = inbox.pop(("dx", *key))
-            sends.append((dist.isend(dx, peer(s - 1), group=group, tag=_tag("B", *key, n)), dx))
+            outbox.append(dist.P2POp(dist.isend, dx, peer(s - 1), group, _tag("B", *key, n)))
         else:
             raise ValueError(f"unknown action {a!r}")
-    for work, _ in sends:
+    post()  # the last sends: no receive left to pair them with
+    for work in posted:
         work.wait()
     return result
 
