@@ -26,7 +26,13 @@ decoder-only transformer (4 layers, width 128, 4 heads, learned positions), Adam
 warm-up steps, batch 32 x 64 tokens, sits on the bigram plateau (~2.67) for ~150 steps, then drops;
 its validation loss is within 0.1 nats of the window floor ``loss_floor(64)`` = 1.869 after ~350
 steps (~25 s) and within 0.03 after 800.
+
+Everything here lives on the host: the language is drawn with CPU generators, so every machine (a
+laptop, a GPU node) gets the same tokens bit for bit, and ``TokenDataset.batches`` yields CPU
+tensors. The caller moves each batch to its rank's device, ``x.to(course_lib.dist.device())``.
 """
+
+# device-guard: host-only: the language and its batches are drawn on the host so any machine gets the same tokens; callers move batches to course_lib.dist.device()
 
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ def changed_blocks(new: torch.Tensor, old: torch.Tensor, block: int = BLOCK) -> 
 
 def _elements(blocks: torch.Tensor, block: int, numel: int) -> torch.Tensor:
     """Flat indices of the elements of ``blocks`` (the last block of a tensor may be short)."""
-    idx = (blocks[:, None] * block + torch.arange(block)[None, :]).flatten()
+    idx = (blocks[:, None] * block + torch.arange(block, device=blocks.device)[None, :]).flatten()
     return idx[idx < numel]
 
 
@@ -130,12 +130,14 @@ def load(path: str | os.PathLike, state: dict) -> dict:
                 name = f"delta.{rank}.{key}.{part}"
                 if name not in saved:
                     raise KeyError(f"{path} has no {name}: it was saved from another state dict")
+                # host: DCP reads the file into it; moved to the state's device below
                 wanted[name] = torch.empty(saved[name][0], dtype=saved[name][1])
     sharded.read(path, wanted)
     for key, value in state.items():
         if isinstance(value, torch.Tensor):
             flat = sharded.local(value).view(-1)  # the loaded tensors are contiguous: a view writes through
             blocks, values = wanted[f"delta.{rank}.{key}.blocks"], wanted[f"delta.{rank}.{key}.values"]
+            blocks, values = blocks.to(flat.device), values.to(flat.device)  # read on the host (above)
             with torch.no_grad():
                 flat[_elements(blocks, block, flat.numel())] = values
         else:

@@ -100,6 +100,7 @@ def load(path: str | os.PathLike, state: dict) -> dict:
         if isinstance(value, torch.Tensor):
             for name in (f"quant.{rank}.{key}.q", f"quant.{rank}.{key}.scale", f"quant.{rank}.{key}.exact"):
                 if name in saved:
+                    # host: DCP reads the file into it; copied onto the state's device below
                     wanted[name] = torch.empty(saved[name][0], dtype=saved[name][1])
     sharded.read(path, wanted)
     for key, value in state.items():

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.data import TokenDataset
+from course_lib.dist import device
 
 
 @dataclass
@@ -37,7 +38,8 @@ class TrainState:
     global_batch: int
 
     def batches(self, dataset: TokenDataset, rank: int, world_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's batches from step ``self.step`` on, epoch after epoch (forever)."""
+        """This rank's batches from step ``self.step`` on, epoch after epoch (forever); on the host, as
+        :mod:`course_lib.data` draws them: move each to ``course_lib.dist.device()``."""
         if self.global_batch % world_size:
             raise ValueError(
                 f"global batch {self.global_batch} does not split over world_size={world_size}: the "
@@ -57,19 +59,25 @@ def _rank() -> int:
 
 
 def rng_state() -> bytes:
-    """This process's random states, pickled: torch's CPU generator, CUDA's (if present), Python's."""
+    """This process's random states, pickled: torch's CPU generator, Python's, and the generator of
+    the rank's accelerator (``course_lib.dist.device()``, e.g. "cuda": its own GPU's) when it computes
+    on one. A rank on the CPU (gloo) never touches CUDA: asking for its state would open a CUDA
+    context on GPU 0 in every such process, even on a machine whose GPUs the course does not use."""
     states = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state()
+    dev = device()
+    if dev.type != "cpu":
+        states[dev.type] = torch.get_device_module(dev.type).get_rng_state(dev)
     return pickle.dumps(states)
 
 
 def set_rng_state(blob: bytes) -> None:
+    """Restore what :func:`rng_state` saved; the accelerator's state only where this rank computes on it."""
     states = pickle.loads(blob)
     torch.set_rng_state(states["torch"])
     random.setstate(states["python"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state(states["cuda"])
+    dev = device()
+    if dev.type != "cpu" and dev.type in states:
+        torch.get_device_module(dev.type).set_rng_state(states[dev.type], dev)
 
 
 def state_dict(train: TrainState, rng: bool = True) -> dict:

@@ -119,6 +119,7 @@ def read_full(path: str | os.PathLike) -> dict:
     Checks the manifest first, like :func:`load`.
     """
     verify(path)
+    # host: one process assembles every rank's chunks for inspection; no rank's device is involved
     state = {k: torch.empty(m[0], dtype=m[1]) if m is not None else None for k, m in entries(path).items()}
     with _one_process_is_fine():
         dcp.load(state, storage_reader=FileSystemReader(str(path)), no_dist=True)

@@ -16,6 +16,12 @@ The DTensors made here are views of Zero's own buffers, so ``dcp.load`` writes s
 optimizer (no second copy of the state); :func:`load_zero_state` then re-forms what Zero derives
 from the shards (stages 1-2 keep every parameter: all-gathered again).
 
+One exception, ZeRO-Offload (``Zero(..., offload=True)``): the master weights and Adam moments stay
+on the host on purpose, while a DTensor's local tensor must sit on its mesh's device (the mesh is
+Zero's group, NCCL's GPUs), where ``full_tensor`` all-gathers it. Those entries are therefore
+*copies* on ``zero.device`` (on a CPU-only machine the same tensors, no copy), and
+:func:`load_zero_state` copies what ``dcp.load`` wrote into them back to the host shards.
+
 Entries, for each unit u (``layers.0``, ...):
 
     model.<u>                flat parameters in compute precision (bf16 or fp32)
@@ -66,10 +72,10 @@ def zero_state_dict(zero: Zero) -> dict:
         _, count = _real(zero, u)
 
         def dtensor(local_shard: torch.Tensor, u=u, count=count) -> DTensor:
+            # an offloaded (host) shard is copied to the mesh's device (module doc); else .to is the tensor itself
+            local = local_shard[:count].to(zero.device)
             # run_check=False: the shape is stated, not gathered; the shards are uneven (torch.chunk's rule)
-            return DTensor.from_local(
-                local_shard[:count], mesh, placement, run_check=False, shape=torch.Size([u.numel]), stride=(1,)
-            )
+            return DTensor.from_local(local, mesh, placement, run_check=False, shape=torch.Size([u.numel]), stride=(1,))
 
         state[f"model.{u.name}"] = dtensor(zero._my_params(u))
         if zero.master is not None:
@@ -84,8 +90,18 @@ def zero_state_dict(zero: Zero) -> dict:
 def load_zero_state(zero: Zero, state: dict) -> None:
     """After ``dcp.load`` filled ``state`` (from :func:`zero_state_dict` of this ``zero``): restore
     the step count, and for stages 1-2 all-gather the loaded parameter shards into the full buffers
-    the forward pass reads. Stage 3 keeps only its shard; stage 0 loaded every element. Collective."""
+    the forward pass reads. Stage 3 keeps only its shard; stage 0 loaded every element. Collective.
+    Offloaded shards, which ``state`` holds as device copies (module doc), are copied back to the host."""
     zero.step_count = int(state["optim.step"])
+    for u in zero.units:
+        _, count = _real(zero, u)
+        for name, host in (("master", zero.master), ("exp_avg", zero.exp_avg), ("exp_avg_sq", zero.exp_avg_sq)):
+            loaded = state.get(f"optim.{u.name}.{name}")
+            if host is None or not isinstance(loaded, DTensor):
+                continue
+            mine = zero._slice(host, u)[:count]
+            if loaded.to_local().data_ptr() != mine.data_ptr():  # a copy: the shard lives elsewhere
+                mine.copy_(loaded.to_local())
     if zero.stage in (1, 2):
         for u in zero.units:
             dist.all_gather_single(u.full, zero._my_params(u), group=zero.group)

@@ -24,6 +24,7 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
+        # host: built on the default device like nn.Linear's weight; moved with the module by .to(device)
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -32,14 +33,15 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_cos_sin(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the RoPE angles m·θ_i, θ_i = theta^(-2i/head_dim)  (RoFormer, Su et al. 2021, eq. 34).
 
     Shape [seq_len, head_dim]: the head_dim/2 frequencies are repeated for the two halves of a head,
     the layout that :func:`apply_rope`'s ``rotate_half`` pairs up (channel i with channel i + head_dim/2).
+    On ``device`` (None: the default device; the Transformer keeps them as buffers, moved with it).
     """
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
 

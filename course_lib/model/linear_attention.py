@@ -60,6 +60,7 @@ class GatedRMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
+        # host: built on the default device like nn.Linear's weight; moved with the module by .to(device)
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -115,7 +116,9 @@ class GatedDeltaNet(nn.Module):
         channels = 2 * kd + vd  # q, k, v are convolved; the gate z is not
         self.conv1d = nn.Conv1d(channels, channels, self.kernel, groups=channels, bias=False)
         # Qwen3-Next's initialisation: decay rates A spread over (0, 16), dt_bias = 1
+        # host: parameters, built on the default device like nn.Linear's; moved with the module by .to(device)
         self.A_log = nn.Parameter(torch.empty(self.hv).uniform_(0, 16).log())
+        # host: built on the default device like nn.Linear's weight; moved with the module by .to(device)
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.norm = GatedRMSNorm(self.dv, cfg.norm_eps)
         self.out_proj = nn.Linear(vd, d, bias=False)

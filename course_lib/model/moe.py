@@ -103,7 +103,7 @@ class Router(nn.Module):
         self.gate = nn.Linear(d_model, n_experts, bias=False)
         self.noise = nn.Linear(d_model, n_experts, bias=False) if noisy else None
         # aux-loss-free balancing: used to choose experts, never to weight them; not learned
-        self.register_buffer("bias", torch.zeros(n_experts))
+        self.register_buffer("bias", torch.zeros(n_experts))  # host: a buffer, moved with the module by .to(device)
 
     def forward(self, x: torch.Tensor) -> Routing:
         """Route ``x`` [T, d_model]."""
@@ -158,7 +158,8 @@ def sequence_balance_loss(routing: Routing, n_experts: int, seq_len: int) -> tor
     affinities s_i / Σ_j s_j; 1 at perfect balance. Averaged over the sequences."""
     t, k = routing.experts.shape
     experts = routing.experts.view(t // seq_len, seq_len * k)
-    f = torch.zeros(len(experts), n_experts).scatter_add_(1, experts, torch.ones_like(experts, dtype=torch.float))
+    f = torch.zeros(len(experts), n_experts, device=experts.device)  # scatter_add_ needs index and target on one device
+    f = f.scatter_add_(1, experts, torch.ones_like(experts, dtype=torch.float))
     f = f * n_experts / (k * seq_len)
     s = routing.scores / routing.scores.sum(-1, keepdim=True)
     p = s.view(t // seq_len, seq_len, n_experts).mean(1)

@@ -205,6 +205,7 @@ def _check_runnable(cfg: ModelConfig) -> None:
             "n_params()/n_active_params() only."
         )
     n = cfg.n_params(include_mtp=True)
+    # host: probes the default device (a meta-device context builds without memory); meets no tensor
     if n > MAX_PARAMS and torch.empty(()).device.type != "meta":
         raise ValueError(
             f"this config has {n / 1e9:.1f}B parameters ({4 * n / 1e9:.0f} GB in fp32), more than "
@@ -342,7 +343,8 @@ class Transformer(nn.Module):
         """``terms`` plus ``'moe'``, the balancing losses every MoE layer kept from this forward."""
         moes = [module for module in self.modules() if isinstance(module, MoE)]  # the MTP blocks' too
         if moes:
-            terms["moe"] = sum((sum(m.losses.values(), torch.zeros(())) for m in moes), torch.zeros(()))
+            zero = torch.zeros((), device=next(iter(terms.values())).device)  # the losses' device
+            terms["moe"] = sum((sum(m.losses.values(), zero) for m in moes), zero)
         return terms
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

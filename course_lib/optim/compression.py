@@ -206,7 +206,8 @@ class SignState:
     residuals: dict = field(default_factory=dict)
 
 
-_SHIFTS = torch.arange(7, -1, -1, dtype=torch.uint8)  # bit 0 of a group of 8 is the byte's top bit
+# host: a constant table, moved to the bits' device where it is used; bit 0 of a group of 8 is the byte's top bit
+_SHIFTS = torch.arange(7, -1, -1, dtype=torch.uint8)
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -375,9 +376,10 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> Future:
     ps = _views(state.p_memory_dict[i], [(m.shape[0], r) for m, r in matrices])
     qs = _views(state.q_memory_dict[i], [(m.shape[1], r) for m, r in matrices])
     if fresh:  # a random start: Q ~ N(0, 1), drawn on the CPU as torch does
+        # host: torch's PowerSGD hook draws Q on the CPU, so every rank and machine starts from the same Q
         gen = torch.Generator().manual_seed(int(state.rng.randint(1_000_000_000)))
         for q in qs:
-            q.copy_(torch.randn(q.shape, generator=gen, dtype=g.dtype))
+            q.copy_(torch.randn(q.shape, generator=gen, dtype=g.dtype))  # host: drawn by gen, copied to the device
     for q in qs:
         orthogonalize(q, state.orthogonalization_epsilon)
 

@@ -83,8 +83,10 @@ class ToyPolicy(nn.Module):
     def __init__(self, n_prompts: int, vocab: int):
         super().__init__()
         self.vocab = vocab
+        # host: built on the default device like nn.Linear's weights; moved with the module by .to(device)
         self.prompt_logits = nn.Parameter(torch.zeros(n_prompts, vocab))
-        self.bigram_logits = nn.Parameter(torch.zeros(vocab + 1, vocab))  # row `vocab`: before the first token
+        # host: as above; row `vocab` is the context before the first token
+        self.bigram_logits = nn.Parameter(torch.zeros(vocab + 1, vocab))
 
     def logits(self, prompts: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, vocab] of each position of ``outputs`` [B, T] given ``prompts`` [B] and the tokens before it."""
@@ -97,8 +99,8 @@ class ToyPolicy(nn.Module):
 
     @torch.no_grad()
     def sample(self, prompts: torch.Tensor, length: int, generator: torch.Generator) -> torch.Tensor:
-        outputs = torch.empty(len(prompts), 0, dtype=torch.long)
-        previous = torch.full((len(prompts),), self.vocab)
+        outputs = torch.empty(len(prompts), 0, dtype=torch.long, device=prompts.device)
+        previous = torch.full((len(prompts),), self.vocab, device=prompts.device)
         for _ in range(length):
             probs = (self.prompt_logits[prompts] + self.bigram_logits[previous]).softmax(-1)
             previous = torch.multinomial(probs, 1, generator=generator)[:, 0]
@@ -121,11 +123,13 @@ def train_toy(
     takes ``inner_steps`` Adam steps on :func:`grpo_loss` (the ratio moves away from 1, so the clip
     matters), with the initial policy as π_ref. Returns the mean reward of each step's samples
     (starts near 1/vocab)."""
+    # host: a one-process toy, trained on the CPU so that its curve is the same on every machine
     generator = torch.Generator().manual_seed(seed)
     policy = ToyPolicy(n_prompts, vocab)
     reference = copy.deepcopy(policy).requires_grad_(False)
     opt = torch.optim.Adam(policy.parameters(), lr=lr)
-    prompts = torch.arange(n_prompts).repeat_interleave(group_size)  # [n_prompts · G], grouped by prompt
+    # host: the CPU toy's prompts (above), [n_prompts · G], grouped by prompt
+    prompts = torch.arange(n_prompts).repeat_interleave(group_size)
     mean_rewards = []
     for _ in range(steps):
         outputs = policy.sample(prompts, length, generator)

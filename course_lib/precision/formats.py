@@ -186,6 +186,7 @@ def representable_values(fmt: str | FloatFormat, positive_only: bool = True) -> 
     M = f.mantissa_bits
     fields = [(e, m) for e in range(2**f.exponent_bits) for m in range(2**M)]
     vals = [(2.0 ** (1 - f.bias) * m / 2**M) if e == 0 else 2.0 ** (e - f.bias) * (1 + m / 2**M) for e, m in fields]
+    # host: a table of the format's values (for plots and lookups), moved to the data's device where it is used
     vals = torch.tensor(sorted(v for v in vals if v <= f.max), dtype=torch.float64)
     return vals if positive_only else torch.cat([-vals.flip(0)[:-1], vals])
 
@@ -198,10 +199,11 @@ def relative_rounding_error(fmt: str | FloatFormat, n: int = 200_000, seed: int 
     u = 2^−(M+1); the worst case, just above a power of two's midpoint, is u/(1+u).
     """
     f = _format(fmt)
+    # host: a property of the format, measured in one process on numbers every machine draws alike
     g = torch.Generator().manual_seed(seed)
     lo, hi = math.log2(f.smallest_normal), math.log2(f.max)
-    magnitude = torch.exp2(lo + (hi - lo) * torch.rand(n, generator=g, dtype=torch.float64))
-    sign = torch.randint(0, 2, (n,), generator=g, dtype=torch.float64) * 2 - 1
+    magnitude = torch.exp2(lo + (hi - lo) * torch.rand(n, generator=g, dtype=torch.float64))  # host: drawn by g
+    sign = torch.randint(0, 2, (n,), generator=g, dtype=torch.float64) * 2 - 1  # host: drawn by g
     x = sign * magnitude
     if f.name != "fp32":
         x = x.float().clamp(-f.max, f.max)  # exact fp32 inputs; clamp undoes the one possible overflow

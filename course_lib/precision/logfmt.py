@@ -77,7 +77,7 @@ def quantize_logfmt(
     """Encode x in tiles of ``tile`` along its last dimension.
 
     ``rounding`` "nearest" or "stochastic", judged in ``space`` "linear" (DeepSeek's choice) or "log" (kept to
-    show what goes wrong); ``generator`` draws the stochastic choices.
+    show what goes wrong); ``generator`` draws the stochastic choices (a generator of x's device).
     """
     if not 3 <= bits <= 16:
         raise ValueError(f"bits must be in 3..16 (a sign bit and at least two codes besides zero), got {bits}")
@@ -118,7 +118,7 @@ def quantize_logfmt(
     if rounding == "nearest":
         up = frac > 0.5  # a tie stays at the lower code
     else:
-        up = torch.rand(frac.shape, generator=generator, dtype=frac.dtype) < frac
+        up = torch.rand(frac.shape, generator=generator, dtype=frac.dtype, device=frac.device) < frac
     up = up & (k_hi > k_lo)
     k = torch.where(up, k_hi, k_lo)
     k = torch.where(nonzero, k, torch.zeros_like(k))

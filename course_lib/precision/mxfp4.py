@@ -86,7 +86,7 @@ def quantize_mxfp4(x: torch.Tensor, block_size: int = BLOCK_SIZE) -> tuple[torch
 
     scaled = torch.ldexp(blocks.double(), -scale_exp.unsqueeze(-1).double())  # v / X, exact
     rounded = round_to_format(scaled, E2M1)  # nearest E2M1 value, ties to even, ±6 saturation
-    magnitude_code = torch.searchsorted(_MAGNITUDES, rounded.abs().contiguous())
+    magnitude_code = torch.searchsorted(_MAGNITUDES.to(rounded.device), rounded.abs().contiguous())  # host table, moved
     sign = torch.signbit(scaled).long()  # from the input, so −0 and tiny negatives keep it, as in torchao
     codes = (magnitude_code | (sign << 3)).to(torch.uint8)
     codes = codes.reshape(x.shape)
@@ -101,7 +101,7 @@ def dequantize_mxfp4(
     """X · Pᵢ for every element: unpack the nibbles, look up the E2M1 values, multiply by 2^(e − 127)."""
     data = packed.view(torch.uint8)
     codes = torch.stack([data & 0xF, data >> 4], dim=-1).reshape(*data.shape[:-1], data.shape[-1] * 2)
-    values = E2M1_VALUES[codes.long()]
+    values = E2M1_VALUES.to(codes.device)[codes.long()]  # the host table, where the codes are
     e = scales.view(torch.uint8).to(torch.int32)
     scale = torch.ldexp(torch.ones_like(e, dtype=torch.float32), (e - E8M0_BIAS).float())
     scale = torch.where(e == E8M0_NAN, torch.full_like(scale, float("nan")), scale)

@@ -69,10 +69,13 @@ E4M3 = FORMATS["fp8_e4m3"]
 
 
 def nf4_code() -> torch.Tensor:
-    """The 16 NF4 values, ascending, float32: q₀ = −1, q₇ = 0, q₁₅ = 1."""
+    """The 16 NF4 values, ascending, float32: q₀ = −1, q₇ = 0, q₁₅ = 1. On the host, computed once as
+    bitsandbytes' create_normal_map does; quantize and dequantize move it to the weights' device."""
+    # host: a constant table (above), compared with bitsandbytes' bit for bit
     positive = torch.special.ndtri(torch.linspace(NF4_DELTA, 0.5, 9)[:-1].double())
-    negative = -torch.special.ndtri(torch.linspace(NF4_DELTA, 0.5, 8)[:-1].double())
-    values = torch.cat([negative, torch.zeros(1, dtype=torch.float64), positive]).float().sort().values
+    negative = -torch.special.ndtri(torch.linspace(NF4_DELTA, 0.5, 8)[:-1].double())  # host: the same table
+    values = torch.cat([negative, torch.zeros(1, dtype=torch.float64, device=negative.device), positive])
+    values = values.float().sort().values
     return values / values.max()
 
 
@@ -138,7 +141,8 @@ def quantize_nf4(
     absmax = blocks.abs().amax(1)
     inv = torch.where(absmax > 0, 1 / absmax, torch.zeros_like(absmax))  # an all-zero block stays zero
     scaled = (blocks * inv.unsqueeze(1)).clamp(-1, 1).reshape(-1)
-    midpoints = (NF4_CODE[1:] + NF4_CODE[:-1]) / 2
+    code = NF4_CODE.to(blocks.device)  # the host table, where the weights are
+    midpoints = (code[1:] + code[:-1]) / 2
     codes = torch.bucketize(scaled, midpoints).to(torch.uint8)  # right=False: a midpoint goes to the lower code
     packed = (codes[0::2] << 4) | codes[1::2]
     if not double_quant:
@@ -155,7 +159,7 @@ def dequantize_nf4(
     absmax = t.absmax
     if t.double_quantized:
         absmax = _dequantize_constants(t.absmax, t.absmax_scale, t.absmax_offset, dq_block_size)
-    values = NF4_CODE[codes.long()].reshape(-1, t.block_size) * absmax.unsqueeze(1)
+    values = NF4_CODE.to(codes.device)[codes.long()].reshape(-1, t.block_size) * absmax.unsqueeze(1)
     return values.reshape(t.shape).to(dtype)
 
 

@@ -106,6 +106,7 @@ class _ShardedLinear(nn.Module):
         shape[self.partition_dim] //= t
         self.in_features, self.out_features = in_features, out_features
         self.group, self.sequence_parallel = group, sequence_parallel
+        # host: a placeholder on the default device like nn.Linear's; from_dense replaces it by a slice where the dense weight is
         self.weight = nn.Parameter(torch.empty(shape))
         self.weight.partition_dim = self.partition_dim
 
@@ -170,6 +171,7 @@ class VocabParallelEmbedding(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
         per_rank = num_embeddings // t
         self.vocab_start, self.vocab_end = r * per_rank, (r + 1) * per_rank
+        # host: a placeholder on the default device like nn.Linear's; from_dense replaces it by a slice where the dense weight is
         self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim))
         self.weight.partition_dim = 0
 

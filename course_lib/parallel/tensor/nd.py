@@ -44,7 +44,7 @@ from course_lib.cost.comm import grid_side
 
 def _groups(shape: tuple[int, ...], axis: int) -> dict[int, object]:
     """rank -> its process group along ``axis`` of the grid arange(p).view(shape) (all ranks create all)."""
-    grid = torch.arange(math.prod(shape)).view(shape)
+    grid = torch.arange(math.prod(shape)).view(shape)  # host: rank numbers, read back with .tolist()
     lines = grid.movedim(axis, -1).reshape(-1, shape[axis])
     mine = {}
     for line in lines.tolist():
