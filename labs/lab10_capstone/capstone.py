@@ -181,7 +181,7 @@ def traffic(
     """What rank ``coords`` hands to torch.distributed in one call of your ``step``, per operation and group.
 
     In the counter's format, ``{"all_reduce@tp": {"calls": 18, "bytes": 147456}, "isend@pp": ...}``,
-    with the operations your step calls ("all_reduce", "isend", "recv") and the groups' names ("dp",
+    with the operations your step calls ("all_reduce", "isend", "irecv") and the groups' names ("dp",
     "pp", "tp"); leave out what has no call. Bytes are payloads in float32 (4 bytes a value): the
     whole tensor of an all-reduce, a send or a receive. With b = G/(dp·m) rows per micro-batch, one
     hidden state is b·S·d_model values. Per micro-batch:
@@ -190,8 +190,9 @@ def traffic(
         (the f before them) of one hidden state; stage 0's embedding one forward; the last stage's
         output layer one backward, and the vocab-parallel cross-entropy 3 of b·S values. The layers
         call them whatever tp is, even on a group of one rank: count them at tp = 1 too;
-      * pp: a stage that has a next stage sends its output (isend) and receives its gradient (recv);
-        one that has a previous stage receives its input and sends its input's gradient;
+      * pp: a stage that has a next stage sends its output (isend) and receives its gradient (irecv);
+        one that has a previous stage receives its input and sends its input's gradient (run_step
+        posts every receive as an irecv, batched with a send: crossing sends cannot deadlock under NCCL);
     and per step, when dp > 1, the one all-reduce of the gradients (every parameter of the rank,
     ``rank_parameters``) and, on the last stage, the one of the loss.
     """
