@@ -47,8 +47,8 @@ class TinyLM(nn.Module):
 
 def quantization_report(say) -> None:
     """Round-trip error of a [256, 512] tensor with one outlier 10⁴ times the rest, per recipe and format."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(256, 512, generator=g)
+    g = torch.Generator().manual_seed(0)  # host: a printed report, the same numbers on every machine
+    x = torch.randn(256, 512, generator=g)  # host: drawn with g; the learner's quantize follows x's device
     x[7, 3] = 1e4 * x.abs().max()
     rest = torch.ones_like(x, dtype=torch.bool)
     rest[7, 3] = False

@@ -49,6 +49,9 @@ def adapter(lab_dir: Path) -> Adapter:
 
 
 U = 2.0**-24  # unit roundoff of fp32
+# Every check runs in the grader's own process, not on ranks: on the host, where the learner's functions
+# and FP8Linear are called with the same numbers on every machine (and _train's autocast is the CPU's).
+GRADER = torch.device("cpu")
 FORMATS = {"e4m3": fp8.E4M3, "e5m2": fp8.E5M2}
 # course_lib's implementation of each role, put in the learner's module while another role is graded
 LIBRARY = {
@@ -89,8 +92,10 @@ def course_lib_for(impl: Adapter, graded: str, roles: tuple[str, ...]):
 
 def _data(shape, seed: int, spread: float = 3.0) -> torch.Tensor:
     """Gaussian values whose magnitudes span many binades (log-normal factor), some in the subnormals."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g) * torch.exp(spread * torch.randn(shape, generator=g))
+    g = torch.Generator(device=GRADER).manual_seed(seed)
+    return torch.randn(shape, generator=g, device=GRADER) * torch.exp(
+        spread * torch.randn(shape, generator=g, device=GRADER)
+    )
 
 
 def _roundtrip_bound(x: torch.Tensor, s_full: torch.Tensor, f) -> torch.Tensor:
@@ -172,7 +177,7 @@ def check_per_tensor(impl: Adapter) -> None:
         x[5] = 0
         for recipe in ("tile", "block"):  # the groups are course_lib's here: the scale must follow them
             _check_quantized(impl, x, "e4m3", recipe)
-        zero = torch.zeros(4, 128)
+        zero = torch.zeros(4, 128, device=GRADER)
         q, s = impl["quantize"](zero, "e4m3", "tensor")
         assert s.item() == 1.0 and not q.float().any(), (
             "an all-zero tensor: s = 1 (not 0/448 = 0, then 0/0 = NaN), q = 0"
@@ -183,7 +188,7 @@ def check_saturation(impl: Adapter) -> None:
     with course_lib_for(impl, "quantize", ("amax_per_group", "expand_scale")):
         for fmt, seed in (("e4m3", 4), ("e5m2", 5)):
             f = FORMATS[fmt]
-            x = torch.randn(32, 256, generator=torch.Generator().manual_seed(seed))
+            x = torch.randn(32, 256, generator=torch.Generator(device=GRADER).manual_seed(seed), device=GRADER)
             stale = x.abs().amax() / 4  # an earlier step's amax: a quarter of today's
             q, s = impl["quantize"](x, fmt, "tensor", amax=stale)
             want_s = stale.double() / f.max
@@ -216,7 +221,7 @@ def _reference_amax(x: torch.Tensor, recipe: str, block: int) -> torch.Tensor:
     cols = x.shape[-1]
     bc = min(block, cols)
     br = 1 if recipe == "tile" else min(block, len(rows2))
-    out = torch.empty(len(rows2) // br, cols // bc)
+    out = torch.empty(len(rows2) // br, cols // bc, device=x.device)
     for i in range(out.shape[0]):
         for j in range(out.shape[1]):
             out[i, j] = rows2[i * br : (i + 1) * br, j * bc : (j + 1) * bc].abs().max()
@@ -251,7 +256,7 @@ def check_amax_per_group(impl: Adapter) -> None:
             )
     for recipe, shape in (("tile", (8, 200)), ("block", (200, 256))):
         try:
-            amax_per_group(torch.ones(shape), recipe, 128)
+            amax_per_group(torch.ones(shape, device=GRADER), recipe, 128)
         except ValueError:
             continue
         raise AssertionError(f"recipe {recipe!r} on x {shape}: 128 does not divide it: raise a ValueError")
@@ -261,7 +266,7 @@ def _reference_expand(scale: torch.Tensor, shape: tuple[int, ...]) -> torch.Tens
     rows, cols = math.prod(shape[:-1]), shape[-1]
     s = scale.reshape(1, 1) if scale.dim() == 0 else scale.reshape(-1, scale.shape[-1])
     br, bc = rows // s.shape[0], cols // s.shape[1]
-    out = torch.empty(rows, cols)
+    out = torch.empty(rows, cols, device=scale.device)
     for i in range(rows):
         for j in range(0, cols, bc):
             out[i, j : j + bc] = s[i // br, j // bc]
@@ -280,7 +285,8 @@ EXPAND_CASES = [  # (scale shape, tensor shape, what it is)
 
 def check_expand_scale(impl: Adapter) -> None:
     for n, (scale_shape, shape, what) in enumerate(EXPAND_CASES):
-        scale = torch.rand(scale_shape, generator=torch.Generator().manual_seed(30 + n)) + 0.5
+        g = torch.Generator(device=GRADER).manual_seed(30 + n)
+        scale = torch.rand(scale_shape, generator=g, device=GRADER) + 0.5
         got = impl["expand_scale"](scale, shape)
         want = _reference_expand(scale, shape)
         assert isinstance(got, torch.Tensor) and tuple(got.shape) == shape, (
@@ -295,7 +301,7 @@ def check_expand_scale(impl: Adapter) -> None:
 def check_outlier(impl: Adapter) -> None:
     """Quantize with the learner's groups and course_lib's scale and cast: the outlier's neighbours pay, no one else."""
     f = fp8.E4M3
-    x = torch.randn(256, 256, generator=torch.Generator().manual_seed(40))
+    x = torch.randn(256, 256, generator=torch.Generator(device=GRADER).manual_seed(40), device=GRADER)
     x[3, 5] = 1e4 * x.abs().max()  # per tensor, everything else would fall below 448·2^-6 / 1e4: subnormal or 0
     for recipe, hit in (("tile", (slice(3, 4), slice(0, 128))), ("block", (slice(0, 128), slice(0, 128)))):
         s = fp8.scale_from_amax(impl["amax_per_group"](x, recipe, 128), f)
@@ -314,17 +320,17 @@ def check_outlier(impl: Adapter) -> None:
 
 def _linear_case(impl: Adapter, recipe: str, seed: int):
     """The learner's FP8Linear [256 → 384] on x [4, 16, 256] and an upstream gradient; course_lib's references."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=GRADER).manual_seed(seed)
     k, n = 256, 384
     layer = impl["FP8Linear"](k, n, bias=True, recipe=recipe)
     assert isinstance(layer, nn.Module) and getattr(layer, "weight", None) is not None, (
         "FP8Linear must keep its weight as self.weight, an fp32 nn.Parameter [out, in] (given)"
     )
     with torch.no_grad():
-        layer.weight.copy_(torch.randn(n, k, generator=g) / k**0.5)
-        layer.bias.copy_(torch.randn(n, generator=g))
-    x = torch.randn(4, 16, k, generator=g).requires_grad_()
-    upstream = torch.randn(4, 16, n, generator=g) * 1e-3  # dL/dy: gradients are small
+        layer.weight.copy_(torch.randn(n, k, generator=g, device=GRADER) / k**0.5)
+        layer.bias.copy_(torch.randn(n, generator=g, device=GRADER))
+    x = torch.randn(4, 16, k, generator=g, device=GRADER).requires_grad_()
+    upstream = torch.randn(4, 16, n, generator=g, device=GRADER) * 1e-3  # dL/dy: gradients are small
     y = layer(x)
     r = fp8.LINEAR_RECIPES[recipe]
     x_hat = fp8.dequantize(*fp8.quantize(x.detach().reshape(-1, k), "e4m3", r["x"])).double()
