@@ -24,9 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _meta_qkv(batch, heads, seq_len, head_dim, dtype):
     # [b, s, a, d] transposed to [b, a, s, d], as the course model hands q, k, v to SDPA
-    return [
-        torch.empty(batch, seq_len, heads, head_dim, device="meta", dtype=dtype).transpose(1, 2) for _ in range(3)
-    ]
+    return [torch.empty(batch, seq_len, heads, head_dim, device="meta", dtype=dtype).transpose(1, 2) for _ in range(3)]
 
 
 def _nbytes(tensors) -> int:
@@ -44,6 +42,8 @@ def test_cuda_fp32_flash_is_the_memory_efficient_kernel_with_a_padded_log_sum_ex
         f"and {seed.dtype} seed/offset; sdpa_saved_statistics says {expected}"
     )
     assert lse.shape[-1] % 32 == 0 and lse.shape[-1] >= seq_len
+    # laid out [b, s, a, d] as on CPU: wo's input is a view of the saved output, no extra b·s·q copy
+    assert out.transpose(1, 2).is_contiguous()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -55,6 +55,7 @@ def test_cuda_16bit_flash_is_flash_attention_2(dtype, seq_len):
     assert sum(act.sdpa_saved_statistics("cuda", "flash", b, a, seq_len, dtype).values()) == _nbytes(
         [lse, seed, offset]
     )
+    assert out.transpose(1, 2).is_contiguous(), "the output keeps q's [b, s, a, d] layout: wo reads a view"
 
 
 @pytest.mark.parametrize("seq_len", [16, 33])
