@@ -8,16 +8,24 @@ one more [b, s, h] tensor moves the total by ~5% and shows up in the message).
 import pytest
 
 from course_lib.cost.activations import activation_bytes_per_layer, korthikanti_bytes_per_layer
-from course_lib.measure.activations import measure_layer_bytes
+from course_lib.dist import runtime
+from course_lib.measure.activations import kernel_term_bytes, measure_layer_bytes
 from course_lib.model import config as configs
 
 CFG = configs.get("tiny", n_heads=8, n_kv_heads=4)
 TOLERANCE = 0.10
 
 
-def _check(measured: dict, tp: int, attention: str, batch: int):
+def _here() -> str:
+    """The device type an in-process measurement runs on (cuda on a GPU machine, see measure_layer_bytes)."""
+    return runtime.device().type
+
+
+def _check(measured: dict, tp: int, attention: str, batch: int, device_type: str):
     for (s, sp), got in measured.items():
+        # the model counts the CPU kernels; another device's SDPA kernel saves other statistics
         model = activation_bytes_per_layer(CFG, batch, s, tp, sp, attention)
+        model += kernel_term_bytes(device_type, CFG, batch, s, tp, attention)
         assert abs(got - model) <= TOLERANCE * model, (
             f"{'TP+SP' if sp else 'TP' if tp > 1 else 'dense'} t={tp}, s={s}, {attention} attention: measured "
             f"{got} B saved for backward, the model predicts {model:.0f} B ({(got - model) / model:+.1%}); "
@@ -27,7 +35,7 @@ def _check(measured: dict, tp: int, attention: str, batch: int):
 
 @pytest.mark.parametrize("attention", ["flash", "math"])
 def test_dense_layer_measurement_matches_model(attention):
-    _check(measure_layer_bytes(CFG, 2, [16, 32, 64], attention=attention), 1, attention, 2)
+    _check(measure_layer_bytes(CFG, 2, [16, 32, 64], attention=attention), 1, attention, 2, _here())
 
 
 def test_math_attention_adds_the_quadratic_term():
@@ -36,7 +44,8 @@ def test_math_attention_adds_the_quadratic_term():
     extra = {s: math[(s, False)] - flash[(s, False)] for s in (16, 64)}
     # the s×s probabilities per head replace one log-sum-exp per head and row: a·s·(s - 1) floats
     for s, e in extra.items():
-        assert e == 4 * CFG.n_heads * s * (s - 1), (
+        # on CUDA the flash kernel's statistics differ from the CPU's by kernel_term_bytes (0 on CPU)
+        assert e == 4 * CFG.n_heads * s * (s - 1) - kernel_term_bytes(_here(), CFG, 1, s), (
             f"at s={s} the math kernel should keep a·s² softmax probabilities instead of a·s log-sum-exps "
             f"({4 * CFG.n_heads * s * (s - 1)} B more), measured {e} B more"
         )
@@ -45,10 +54,14 @@ def test_math_attention_adds_the_quadratic_term():
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_and_sp_measurements_match_model(tp):
     measured = measure_layer_bytes(CFG, 2, [16, 32], tp, settings=(False, True))
-    _check(measured, tp, "flash", 2)
+    ranks_on = runtime.choice(tp).device_type  # the ranks' device: cpu under gloo, cuda with a GPU each
+    _check(measured, tp, "flash", 2, ranks_on)
     dense = measure_layer_bytes(CFG, 2, [16, 32])
     for s in (16, 32):
-        assert measured[(s, True)] * tp == dense[(s, False)], (
+        # without the device kernel's extra statistics (0 on CPU): the RNG state is per rank, not split
+        split = measured[(s, True)] - kernel_term_bytes(ranks_on, CFG, 2, s, tp)
+        whole = dense[(s, False)] - kernel_term_bytes(_here(), CFG, 2, s)
+        assert split * tp == whole, (
             f"TP+SP keeps every activation split t ways (Korthikanti eq. 3): measured {measured[(s, True)]} B per "
             f"rank at t={tp} should be the dense {dense[(s, False)]} B / {tp}"
         )
