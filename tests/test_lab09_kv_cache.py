@@ -54,8 +54,8 @@ BUGS = {  # name: ([(what the solution says, what the bug says)], checks that mu
     "read_pads_at_the_front": (
         [
             (
-                "padded = torch.tensor([list(table) + [0] * (width - len(table)) for table in block_tables], dtype=torch.long)",
-                "padded = torch.tensor([[0] * (width - len(table)) + list(table) for table in block_tables], dtype=torch.long)",
+                "rows = [list(table) + [0] * (width - len(table)) for table in block_tables]",
+                "rows = [[0] * (width - len(table)) + list(table) for table in block_tables]",
             )
         ],
         {lab09.check_paged_read},

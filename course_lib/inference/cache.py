@@ -16,25 +16,42 @@ The model calls a cache through four methods (:meth:`course_lib.model.transforme
 ``layer(i)`` is layer i's view whose ``update(k, v)`` stores the new K/V and returns all of them,
 ``end_step()`` counts the new tokens as cached. Every sequence of this cache advances in step, so
 prompts of one batch have one length (the engine of :mod:`.engine` serves varied lengths).
+
+A cache is built for one device, the model's (``device=``; the CPU by default): the positions it hands
+the model index the RoPE tables and make the attention mask there, and a K/V from another device is
+refused with the fix named, rather than computed with on the host or copied at every step.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["ContiguousCache", "LayerView", "StepCache"]
+__all__ = ["ContiguousCache", "LayerView", "StepCache", "check_device"]
+
+
+def check_device(cache, got: torch.device) -> None:
+    """ValueError unless ``got`` (the model's device, or a new K's) is the one ``cache`` was built for
+    (an index left out matches any: "cuda" is the current CUDA device)."""
+    want = cache.device
+    if want.type != got.type or (want.index is not None and got.index is not None and want.index != got.index):
+        raise ValueError(
+            f"{type(cache).__name__} was built for {want}, the model computes on {got}: build it with "
+            "device=next(model.parameters()).device"
+        )
 
 
 class StepCache:
     """What every cache whose sequences advance in step shares: ``batch`` sequences of at most ``max_len``
-    tokens, one length for all, the protocol's begin/layer/end. Subclasses store and read in ``_update``."""
+    tokens, one length for all, the protocol's begin/layer/end. Subclasses store and read in ``_update``.
+    ``device``: the model's device, where the positions are made and the K/V must come from."""
 
-    def __init__(self, batch: int, max_len: int):
+    def __init__(self, batch: int, max_len: int, device: torch.device | str = "cpu"):
         if batch < 1 or max_len < 1:
             raise ValueError(
                 f"{type(self).__name__} needs batch >= 1 and max_len >= 1, got batch={batch}, max_len={max_len}"
             )
         self.batch, self.max_len = batch, max_len
+        self.device = torch.device(device)
         self.length = 0  # tokens cached per sequence
         self._new = 0  # tokens of the step in flight
 
@@ -48,7 +65,7 @@ class StepCache:
                 f"not fit. Build {type(self).__name__} with max_len >= prompt length + new tokens"
             )
         self._new = t
-        return torch.arange(self.length, self.length + t).expand(self.batch, t)
+        return torch.arange(self.length, self.length + t, device=self.device).expand(self.batch, t)
 
     def layer(self, i: int) -> LayerView:
         return LayerView(self, i)
@@ -58,6 +75,7 @@ class StepCache:
         self._new = 0
 
     def _check_update(self, i: int, k: torch.Tensor) -> None:
+        check_device(self, k.device)
         if k.shape[0] != self.batch or k.shape[2] != self._new:
             raise ValueError(
                 f"layer {i} got K of shape {tuple(k.shape)}; this cache holds batch={self.batch} sequences and "
@@ -72,8 +90,8 @@ class ContiguousCache(StepCache):
     the tensors: K/V heads for GQA, latent and RoPE key for MLA) and never grows.
     """
 
-    def __init__(self, batch: int, max_len: int):
-        super().__init__(batch, max_len)
+    def __init__(self, batch: int, max_len: int, device: torch.device | str = "cpu"):
+        super().__init__(batch, max_len, device)
         self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _update(self, i: int, k: torch.Tensor, v: torch.Tensor):

@@ -26,12 +26,13 @@ allocation of systems before vLLM, so the same engine measures both allocators' 
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
+from course_lib.dist.timing import clock
+from course_lib.inference.cache import check_device
 from course_lib.inference.paged import PagedCache
 from course_lib.inference.sampling import sample
 
@@ -81,6 +82,7 @@ class _Live:
         self.generated: list[int] = []
         self.sid: int | None = None
         self.swapped: dict | None = None
+        # host: sampling runs on the host (Engine._emit), so one seed draws the same tokens on any machine
         self.generator = torch.Generator().manual_seed(request.seed)
 
     @property
@@ -93,6 +95,7 @@ class Engine:
 
     ``batching``: ``"continuous"`` or ``"static"``; ``preemption``: ``"recompute"`` or ``"swap"``;
     ``reserve``: ``"paged"`` (a block at a time) or ``"max_len"`` (``max_len`` slots at admission).
+    The pool and every token tensor live on the model's device; a ready ``cache`` must be built there.
     """
 
     def __init__(
@@ -117,12 +120,17 @@ class Engine:
             if value not in choices:
                 raise ValueError(f"{name}={value!r}: choose one of {choices}")
         self.model, self.max_batch = model, max_batch
+        self.device = next(model.parameters()).device
         self.batching, self.preemption, self.reserve = batching, preemption, reserve
         self.max_len = max_len or model.cfg.max_seq_len
         # ``cache``: a ready pool to serve from (lab 09 passes the learner's); num_blocks and block_size are then its own
         if cache is None and num_blocks is None:
             raise ValueError("Engine needs num_blocks (the pool's size) or a ready cache=PagedCache(...)")
-        self.cache = cache if cache is not None else PagedCache(num_blocks, block_size, prefix_caching=prefix_caching)
+        if cache is None:
+            cache = PagedCache(num_blocks, block_size, prefix_caching=prefix_caching, device=self.device)
+        elif hasattr(cache, "device"):  # a cache without one (a learner's) meets the model's K/V first
+            check_device(cache, self.device)
+        self.cache = cache
         self.waiting: deque[_Live] = deque()
         self.running: list[_Live] = []
         self.finished: dict[int, list[int]] = {}
@@ -161,7 +169,7 @@ class Engine:
         decoding = [live for live in self.running if live not in admitted]
         if decoding:  # every running sequence's last token, in one batched forward
             self.cache.batch = [live.sid for live in decoding]
-            last = torch.tensor([[self.cache.tokens(live.sid)[-1]] for live in decoding])
+            last = torch.tensor([[self.cache.tokens(live.sid)[-1]] for live in decoding], device=self.device)
             self._emit(decoding, self.model(last, cache=self.cache)[:, -1])
         for live in [live for live in self.running if live.done]:
             self.running.remove(live)
@@ -174,7 +182,9 @@ class Engine:
 
     def _emit(self, lives: list[_Live], logits: torch.Tensor) -> None:
         self.stats.forwards += 1
-        for live, row in zip(lives, logits):
+        # The tokens become Python ints for the scheduler anyway: one copy of the step's logits to the host,
+        # where each request's CPU generator samples (the same draws as on a laptop for the same logits).
+        for live, row in zip(lives, logits.cpu()):
             r = live.request
             token = int(sample(row[None], r.temperature, r.top_k, r.top_p, live.generator)[0])
             live.generated.append(token)
@@ -233,14 +243,14 @@ class Engine:
         """Run the uncached part of a newly admitted sequence's prompt (one forward) and emit its first token."""
         self.cache.batch = [live.sid]
         done = self.cache.num_computed(live.sid)
-        rest = torch.tensor(self.cache.tokens(live.sid)[done:])[None]
+        rest = torch.tensor(self.cache.tokens(live.sid)[done:], device=self.device)[None]
         self._emit([live], self.model(rest, cache=self.cache)[:, -1])
 
     # ------------------------------------------------------------------ a whole workload
     def run(self, requests: list[Request]) -> tuple[list[list[int]], EngineStats]:
         """Serve ``requests`` to the end; the generated tokens of each, in request order, and the stats."""
         indices = [self.add_request(r) for r in requests]
-        start = time.perf_counter()
+        start = clock()
         while self.waiting or self.running:
             before = (len(self.waiting), len(self.running), self.stats.generated_tokens)
             self.step()
@@ -249,6 +259,6 @@ class Engine:
                     f"the engine made no progress: {len(self.waiting)} waiting, {len(self.running)} running, "
                     f"{self.cache.pool.num_free} free blocks. The pool is too small for the requests' prompts"
                 )
-        self.stats.wall_seconds = time.perf_counter() - start
+        self.stats.wall_seconds = clock() - start
         self.stats.prefix_hit_rate = self.cache.prefix_hit_rate()
         return [self.finished[i] for i in indices], self.stats

@@ -40,10 +40,17 @@ def generate(
     ``seq + max_new_tokens`` slots per sequence), ``"paged"`` (:class:`PagedCache` with blocks of
     ``block_size``), or an empty cache object whose sequences advance in step (a
     :class:`~course_lib.inference.cache.StepCache`: a ``ContiguousCache`` or ``QuantizedCache`` built by
-    the caller). Decoding is greedy unless ``temperature > 0`` (see :func:`sample`).
+    the caller, with ``device=`` the model's). Decoding is greedy unless ``temperature > 0`` (see
+    :func:`sample`; a ``generator`` is then on the model's device, ``torch.Generator(device=...)``).
+    ``input_ids`` are on the model's device too; every token and position made here is put there.
     """
     if (isinstance(cache, str) and cache not in CACHES) or not isinstance(cache, (str, StepCache, type(None))):
         raise ValueError(f"cache={cache!r}: choose one of {CACHES} or pass a StepCache (e.g. QuantizedCache)")
+    device = next(model.parameters()).device
+    if input_ids.device != device:
+        raise ValueError(
+            f"input_ids are on {input_ids.device}, the model on {device}: pass input_ids.to({str(device)!r})"
+        )
     tokens = input_ids[None] if input_ids.dim() == 1 else input_ids
     batch, t = tokens.shape
     total = t + max_new_tokens
@@ -58,19 +65,19 @@ def generate(
         for _ in range(max_new_tokens):
             out.append(pick(model(torch.cat(out, dim=1))[:, -1])[:, None])
     elif cache == "contiguous" or isinstance(cache, StepCache):
-        store = ContiguousCache(batch, total) if cache == "contiguous" else cache
+        store = ContiguousCache(batch, total, device) if cache == "contiguous" else cache
         logits = model(tokens, cache=store)[:, -1]
         for step in range(max_new_tokens):
             out.append(pick(logits)[:, None])
             if step + 1 < max_new_tokens:
                 logits = model(out[-1], cache=store)[:, -1]
     else:
-        store = PagedCache(batch * -(-total // block_size), block_size)
+        store = PagedCache(batch * -(-total // block_size), block_size, device=device)
         ids = [store.add_sequence(row.tolist()) for row in tokens]
         for sid in ids:  # prefill one sequence at a time: a prefix hit may leave each a different part to compute
             store.batch = [sid]
             done = store.num_computed(sid)
-            rest = torch.tensor(store.tokens(sid)[done:])[None]
+            rest = torch.tensor(store.tokens(sid)[done:], device=device)[None]
             last = model(rest, cache=store)[:, -1]
             logits = last if sid == ids[0] else torch.cat([logits, last])
         store.batch = ids

@@ -240,6 +240,7 @@ class QuantizedCache(StepCache):
     fly) followed by the new tokens exactly: the new tokens attend to themselves in full precision, as in KIVI's
     prefill and transformers' ``QuantizedLayer``. Then the window is flushed. Storage grows with the tokens (no
     ``max_len`` slab: ``max_len`` only bounds them), and :meth:`stored_bytes` counts what is held.
+    ``device``: the model's, where the positions are made and the K/V come from (the CPU by default).
     """
 
     def __init__(
@@ -251,8 +252,9 @@ class QuantizedCache(StepCache):
         residual: int = 32,
         key_mode: str = "per_channel",
         value_mode: str = "per_token",
+        device: torch.device | str = "cpu",
     ):
-        super().__init__(batch, max_len)
+        super().__init__(batch, max_len, device)
         if bits not in BITS:
             raise ValueError(f"bits={bits}: choose one of {BITS}")
         if group_size < 1 or residual < 0:
@@ -354,8 +356,10 @@ class CompressedKV:
         return len(self.blob)
 
 
+# CacheGen's codec works on the bytes that go over the network: on the host, where cachegen_compress copies
+# the tensor (x.detach().cpu()) and where cachegen_decompress hands it back (the receiver moves it on).
 def _anchor_mask(n: int, tokens_per_group: int) -> torch.Tensor:
-    return torch.arange(n) % tokens_per_group == 0
+    return torch.arange(n) % tokens_per_group == 0  # host: CacheGen's codec runs on the host (above)
 
 
 def cachegen_compress(x: torch.Tensor, bits: int = 4, tokens_per_group: int = 16, coder: str = "lzma") -> CompressedKV:
@@ -376,7 +380,7 @@ def cachegen_compress(x: torch.Tensor, bits: int = 4, tokens_per_group: int = 16
         raise ValueError(f"tokens_per_group={tokens_per_group} leaves no token to delta-code; use at least 2")
     a_codes, a_scale, a_zero = _affine(xs[:, anchors], 8, xs.shape[-1], dim=2)
     a_hat = (a_zero.float() + a_scale.float() * a_codes.float()).to(x.dtype)
-    group = torch.arange(n)[~anchors] // tokens_per_group  # each delta-coded token's anchor
+    group = torch.arange(n)[~anchors] // tokens_per_group  # host: indexes xs, on the host; each token's anchor
     delta = xs[:, ~anchors] - a_hat[:, group]
     d_codes, d_scale, d_zero = _affine(delta, bits, delta.shape[1], dim=1)
     # channel-major: each channel's codes are one run, which is what a per-channel probability model sees
@@ -409,11 +413,13 @@ def _parts(c: CompressedKV):
 
 
 def cachegen_decompress(c: CompressedKV) -> torch.Tensor:
-    """x̂ from a :class:`CompressedKV`: anchors â = m + s·code, the others â + m_Δ + s_Δ·code."""
+    """x̂ from a :class:`CompressedKV`: anchors â = m + s·code, the others â + m_Δ + s_Δ·code.
+
+    On the host, where the received bytes are decoded: the receiver moves x̂ to its device."""
     anchors, d_codes, a_codes, a_scale, a_zero, d_scale, d_zero = _parts(c)
     a_hat = (a_zero.float() + a_scale.float() * a_codes.float()).to(c.dtype)
-    group = torch.arange(c.shape[-2])[~anchors] // c.tokens_per_group
-    out = torch.empty(a_codes.shape[0], c.shape[-2], c.shape[-1], dtype=c.dtype)
+    group = torch.arange(c.shape[-2])[~anchors] // c.tokens_per_group  # host: decoded from bytes, on the host
+    out = torch.empty(a_codes.shape[0], c.shape[-2], c.shape[-1], dtype=c.dtype)  # host: as the codes
     out[:, anchors] = a_hat
     out[:, ~anchors] = a_hat[:, group] + (d_zero.float() + d_scale.float() * d_codes.float()).to(c.dtype)
     return out.reshape(c.shape)
@@ -423,7 +429,7 @@ def cachegen_error_bound(c: CompressedKV) -> torch.Tensor:
     """Per-element bound of :func:`cachegen_decompress` in fp32: half the anchor's step for anchors, half the
     channel's delta step for the others (plus, in 16-bit dtypes, the rounding of â + Δ̂)."""
     anchors, d_codes, _, a_scale, _, d_scale, _ = _parts(c)
-    out = torch.empty(d_codes.shape[0], c.shape[-2], c.shape[-1])
+    out = torch.empty(d_codes.shape[0], c.shape[-2], c.shape[-1])  # host: beside the decoded codes
     out[:, anchors] = a_scale.float().expand(-1, -1, c.shape[-1]) / 2
     out[:, ~anchors] = d_scale.float().expand(-1, d_codes.shape[1], -1) / 2
     return out.reshape(c.shape)
@@ -435,6 +441,7 @@ def cachegen_entropy_bytes(c: CompressedKV) -> int:
     and the anchors, scales and zero points were sent as they are."""
     _, d_codes, *_ = _parts(c)
     per_channel = d_codes.transpose(1, 2).flatten(0, 1).long()  # [rows·channels, delta tokens]
+    # host: counts of the decoded codes, on the host where they were decoded
     counts = torch.zeros(per_channel.shape[0], 2**c.bits).scatter_add_(1, per_channel, torch.ones(per_channel.shape))
     p = counts / per_channel.shape[1]
     bits = -(counts * torch.where(p > 0, p.log2(), 0.0)).sum().item()

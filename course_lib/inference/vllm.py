@@ -216,6 +216,8 @@ def vllm_serve_generate(
     log = scratch / "server.log"
     try:
         with open(log, "w") as out:
+            # Wall times of another process (vLLM's server) and of an HTTP round trip: this process has
+            # host: no device work of its own to wait for, so a plain clock measures them
             start = time.perf_counter()
             proc = subprocess.Popen(
                 [str(python), str(WORKER), "serve", str(Path(model_dir).resolve()), str(port)]
@@ -234,7 +236,7 @@ def vllm_serve_generate(
                                 f"vLLM's server exited with code {proc.returncode} before answering /health; "
                                 f"its log ends:\n{_tail(log)}"
                             )
-                        if time.perf_counter() - start > timeout:
+                        if time.perf_counter() - start > timeout:  # host: a deadline (above)
                             raise TimeoutError(
                                 f"vLLM's server on port {port} did not answer GET /health within timeout={timeout:.0f} s; "
                                 f"pass a larger timeout on a slow or busy machine. Its log ends:\n{_tail(log)}"
@@ -245,8 +247,8 @@ def vllm_serve_generate(
                         except httpx.TransportError:
                             pass  # not listening yet
                         time.sleep(0.5)
-                    startup_s = time.perf_counter() - start
-                    start = time.perf_counter()
+                    startup_s = time.perf_counter() - start  # host: the server's start-up (above)
+                    start = time.perf_counter()  # host: the response below carries finished tokens
                     response = client.post(
                         f"{url}/v1/completions",
                         json={
@@ -258,7 +260,7 @@ def vllm_serve_generate(
                             "return_token_ids": True,
                         },
                     )
-                    seconds = time.perf_counter() - start
+                    seconds = time.perf_counter() - start  # host: as above
             finally:
                 _stop(proc)
         if response.status_code != 200:

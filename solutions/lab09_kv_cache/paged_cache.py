@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from course_lib.inference.cache import LayerView
+from course_lib.inference.cache import LayerView, check_device
 
 
 class NoFreeBlocks(RuntimeError):
@@ -54,7 +54,7 @@ def slot_mapping(block_tables: Sequence[Sequence[int]], positions: torch.Tensor,
     # BEGIN SOLUTION Task 3: position -> slot through the block table
     slots = torch.empty_like(positions)
     for s, table in enumerate(block_tables):
-        blocks = torch.tensor(table, dtype=torch.long)[positions[s] // block_size]
+        blocks = torch.tensor(table, dtype=torch.long, device=positions.device)[positions[s] // block_size]
         slots[s] = blocks * block_size + positions[s] % block_size
     return slots
     # END SOLUTION
@@ -71,7 +71,8 @@ def gather_blocks(store: torch.Tensor, block_tables: Sequence[Sequence[int]]) ->
     """
     # BEGIN SOLUTION Task 4: the paged read
     width = max(len(table) for table in block_tables)
-    padded = torch.tensor([list(table) + [0] * (width - len(table)) for table in block_tables], dtype=torch.long)
+    rows = [list(table) + [0] * (width - len(table)) for table in block_tables]
+    padded = torch.tensor(rows, dtype=torch.long, device=store.device)  # the index lives with the pool
     blocks = store[padded]  # [batch, width, block_size, heads, dim]
     b, _, _, heads, dim = blocks.shape
     return blocks.reshape(b, width * store.shape[1], heads, dim).transpose(1, 2)
@@ -168,10 +169,14 @@ class PagedCache:
     adds sequences, appends the tokens it wants computed, chooses the batch, and runs the model on
     each batch sequence's next t uncomputed tokens; the cache reserves blocks, maps slots and registers
     full blocks for prefix caching. Each layer's pool, [num_blocks, block_size, heads, dim] for K and
-    for V, is allocated by its first update.
+    for V, is allocated by its first update, on ``device`` (the model's; the CPU by default), where
+    the positions and slots the model's attention meets are made too.
     """
 
-    def __init__(self, num_blocks: int, block_size: int = 16, prefix_caching: bool = True):
+    def __init__(
+        self, num_blocks: int, block_size: int = 16, prefix_caching: bool = True, *, device: torch.device | str = "cpu"
+    ):
+        self.device = torch.device(device)
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = block_size
         self.prefix_caching = prefix_caching
@@ -265,7 +270,7 @@ class PagedCache:
                 )
             self._reserve(seq, seq.num_computed + t)
             tables.append(seq.blocks)
-            positions.append(torch.arange(seq.num_computed, seq.num_computed + t))
+            positions.append(torch.arange(seq.num_computed, seq.num_computed + t, device=self.device))
         positions = torch.stack(positions)
         self._step = (t, positions, slot_mapping(tables, positions, self.block_size), tables)
         return positions
@@ -295,6 +300,7 @@ class PagedCache:
 
     def _update(self, i: int, k: torch.Tensor, v: torch.Tensor):
         _, positions, slots, tables = self._step
+        check_device(self, k.device)  # the positions above were made on self.device
         if i not in self._layers:
             n = self.pool.num_blocks
             self._layers[i] = tuple(x.new_zeros(n, self.block_size, x.shape[1], x.shape[3]) for x in (k, v))
@@ -323,9 +329,9 @@ class PagedCache:
 
     # ---------------------------------------------------------------- swapping (preemption by swap)
     def swap_out(self, sid: int) -> dict:
-        """Copy a sequence's blocks out of the pool (to "host memory": a separate tensor) and free them."""
+        """Copy a sequence's blocks out of the pool to host memory (vLLM's swap space) and free them."""
         seq = self.seqs[sid]
-        saved = {i: tuple(x[seq.blocks].clone() for x in store) for i, store in self._layers.items()}
+        saved = {i: tuple(x[seq.blocks].to("cpu", copy=True) for x in store) for i, store in self._layers.items()}
         state = {"tokens": list(seq.tokens), "num_computed": seq.num_computed, "hashes": list(seq.hashes)}
         self.free_sequence(sid)
         return {"state": state, "blocks": saved, "n_blocks": len(seq.blocks)}
@@ -338,7 +344,7 @@ class PagedCache:
         seq.blocks = [self.pool.allocate() for _ in range(swapped["n_blocks"])]
         for i, saved in swapped["blocks"].items():
             for x, y in zip(self._layers[i], saved):
-                x[seq.blocks] = y
+                x[seq.blocks] = y.to(x.device)  # back from host memory
         sid = self._next_id
         self._next_id += 1
         self.seqs[sid] = seq

@@ -34,6 +34,9 @@ from course_lib.model.config import get
 from course_lib.model.transformer import Transformer
 
 ROLES = ("block_hash", "slot_mapping", "gather_blocks", "BlockPool", "PagedCache")
+# Every check runs in the grader's own process, not on ranks: on the host, where the tiny model, the learner's
+# cache (built without a device: the CPU) and the drawn prompts give the same numbers on every machine.
+GRADER = torch.device("cpu")
 
 
 def adapter(lab_dir: Path) -> Adapter:
@@ -46,13 +49,15 @@ def fake_step(cache, sids: list[int], t: int) -> None:
     check that every sequence reads back exactly its own tokens at their positions."""
     cache.batch = list(sids)
     positions = cache.begin_step(t)
-    tokens = torch.tensor([cache.tokens(s)[p0 : p0 + t] for s, p0 in zip(sids, positions[:, 0].tolist())])
+    rows = [cache.tokens(s)[p0 : p0 + t] for s, p0 in zip(sids, positions[:, 0].tolist())]
+    tokens = torch.tensor(rows, device=positions.device)
     kv = torch.stack([tokens.float(), positions.float()], dim=-1)[:, None]  # [b, heads=1, t, 2]
     k_all, v_all, _ = cache.layer(0).update(kv, kv)
     cache.end_step()
     for row, sid in enumerate(sids):
         n = cache.num_computed(sid)
-        want = torch.stack([torch.tensor(cache.tokens(sid)[:n]).float(), torch.arange(n).float()], -1)
+        ids, at = torch.tensor(cache.tokens(sid)[:n], device=k_all.device), torch.arange(n, device=k_all.device)
+        want = torch.stack([ids.float(), at.float()], -1)
         assert torch.equal(k_all[row, 0, :n], want) and torch.equal(v_all[row, 0, :n], want), (
             f"sequence {sid} reads back other tokens than its own: a block was overwritten, evicted while in "
             f"use, or shared without copy-on-write"
@@ -87,7 +92,11 @@ def _model(max_seq_len: int = 512) -> Transformer:
 
 
 def _no_cache(model, requests) -> list[list[int]]:
-    return [generate(model, torch.tensor(r.prompt), r.max_new_tokens)[len(r.prompt) :].tolist() for r in requests]
+    device = next(model.parameters()).device
+    return [
+        generate(model, torch.tensor(r.prompt, device=device), r.max_new_tokens)[len(r.prompt) :].tolist()
+        for r in requests
+    ]
 
 
 def _workload(n, seed, prompt, new) -> list[Request]:
@@ -182,18 +191,18 @@ def check_prefix_sharing(impl: Adapter) -> None:
 
 def check_block_table(impl: Adapter) -> None:
     slot_mapping = impl["slot_mapping"]
-    positions = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]])
+    positions = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]], device=GRADER)
     got = slot_mapping([[7, 2], [3, 0, 5]], positions, 4)
-    want = torch.tensor([[28, 29, 30, 31, 8], [1, 2, 3, 20, 21]])
+    want = torch.tensor([[28, 29, 30, 31, 8], [1, 2, 3, 20, 21]], device=GRADER)
     assert torch.equal(got, want), (
         f"slot = table[p // block_size] * block_size + p % block_size: want {want}, got {got}"
     )
     # the model through the learner's cache (no prefix caching: this task needs only Tasks 1 and 3)
     model = _model(128)
     cache = impl["PagedCache"](64, 8, prefix_caching=False)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device=GRADER).manual_seed(0)
     for length in (1, 8, 13):
-        prompt = torch.randint(0, 60, (length,), generator=g)
+        prompt = torch.randint(0, 60, (length,), generator=g, device=GRADER)
         want = generate(model, prompt, 20)[length:].tolist()
         sid = cache.add_sequence(prompt.tolist())
         cache.batch = [sid]
@@ -203,7 +212,7 @@ def check_block_table(impl: Adapter) -> None:
             for _ in range(20):
                 out.append(int(logits.argmax()))
                 cache.append_token(sid, out[-1])
-                logits = model(torch.tensor([[out[-1]]]), cache=cache)[:, -1]
+                logits = model(torch.tensor([[out[-1]]], device=GRADER), cache=cache)[:, -1]
         assert out == want, f"prompt of {length}: greedy tokens through your cache differ from decoding without one"
         cache.free_sequence(sid)
     # copy-on-write: fork after a 10-token prompt (blocks of 8: the second block is shared, partly full)
@@ -220,8 +229,8 @@ def check_block_table(impl: Adapter) -> None:
 
 
 def check_paged_read(impl: Adapter) -> None:
-    g = torch.Generator().manual_seed(0)
-    store = torch.randn(10, 4, 2, 3, generator=g)  # 10 blocks of 4 slots, 2 heads of width 3
+    g = torch.Generator(device=GRADER).manual_seed(0)
+    store = torch.randn(10, 4, 2, 3, generator=g, device=GRADER)  # 10 blocks of 4 slots, 2 heads of width 3
     tables = [[3, 7], [1], [9, 0, 4]]
     got = impl["gather_blocks"](store, tables)
     assert tuple(got.shape) == (3, 2, 12, 3), (
