@@ -7,9 +7,9 @@ one more [b, s, h] tensor moves the total by ~5% and shows up in the message).
 
 import pytest
 
-from course_lib.cost.activations import activation_bytes_per_layer, korthikanti_bytes_per_layer
+from course_lib.cost.activations import activation_bytes_per_layer, korthikanti_bytes_per_layer, sdpa_extra_bytes
 from course_lib.dist import runtime
-from course_lib.measure.activations import kernel_term_bytes, measure_layer_bytes
+from course_lib.measure.activations import measure_layer_bytes
 from course_lib.model import config as configs
 
 CFG = configs.get("tiny", n_heads=8, n_kv_heads=4)
@@ -25,7 +25,7 @@ def _check(measured: dict, tp: int, attention: str, batch: int, device_type: str
     for (s, sp), got in measured.items():
         # the model counts the CPU kernels; another device's SDPA kernel saves other statistics
         model = activation_bytes_per_layer(CFG, batch, s, tp, sp, attention)
-        model += kernel_term_bytes(device_type, CFG, batch, s, tp, attention)
+        model += sdpa_extra_bytes(CFG, batch, s, attention, device_type, tp)
         assert abs(got - model) <= TOLERANCE * model, (
             f"{'TP+SP' if sp else 'TP' if tp > 1 else 'dense'} t={tp}, s={s}, {attention} attention: measured "
             f"{got} B saved for backward, the model predicts {model:.0f} B ({(got - model) / model:+.1%}); "
@@ -44,8 +44,8 @@ def test_math_attention_adds_the_quadratic_term():
     extra = {s: math[(s, False)] - flash[(s, False)] for s in (16, 64)}
     # the s×s probabilities per head replace one log-sum-exp per head and row: a·s·(s - 1) floats
     for s, e in extra.items():
-        # on CUDA the flash kernel's statistics differ from the CPU's by kernel_term_bytes (0 on CPU)
-        assert e == 4 * CFG.n_heads * s * (s - 1) - kernel_term_bytes(_here(), CFG, 1, s), (
+        # on CUDA the flash kernel's statistics differ from the CPU's by sdpa_extra_bytes (0 on CPU)
+        assert e == 4 * CFG.n_heads * s * (s - 1) - sdpa_extra_bytes(CFG, 1, s, "flash", _here()), (
             f"at s={s} the math kernel should keep a·s² softmax probabilities instead of a·s log-sum-exps "
             f"({4 * CFG.n_heads * s * (s - 1)} B more), measured {e} B more"
         )
@@ -59,8 +59,8 @@ def test_tp_and_sp_measurements_match_model(tp):
     dense = measure_layer_bytes(CFG, 2, [16, 32])
     for s in (16, 32):
         # without the device kernel's extra statistics (0 on CPU): the RNG state is per rank, not split
-        split = measured[(s, True)] - kernel_term_bytes(ranks_on, CFG, 2, s, tp)
-        whole = dense[(s, False)] - kernel_term_bytes(_here(), CFG, 2, s)
+        split = measured[(s, True)] - sdpa_extra_bytes(CFG, 2, s, "flash", ranks_on, tp)
+        whole = dense[(s, False)] - sdpa_extra_bytes(CFG, 2, s, "flash", _here())
         assert split * tp == whole, (
             f"TP+SP keeps every activation split t ways (Korthikanti eq. 3): measured {measured[(s, True)]} B per "
             f"rank at t={tp} should be the dense {dense[(s, False)]} B / {tp}"

@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from course_lib.cost.activations import activation_bytes_per_layer
+from course_lib.cost.activations import activation_bytes_per_layer, sdpa_extra_bytes, sdpa_saved_statistics
 from course_lib.measure import activations as act
 from course_lib.model import config as configs
 
 CFG = configs.get("tiny", n_heads=8, n_kv_heads=4)
 ROOT = Path(__file__).resolve().parent.parent
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 def _meta_qkv(batch, heads, seq_len, head_dim, dtype):
@@ -36,7 +37,7 @@ def test_cuda_fp32_flash_is_the_memory_efficient_kernel_with_a_padded_log_sum_ex
     b, a = 2, 8
     q, k, v = _meta_qkv(b, a, seq_len, 8, torch.float32)
     out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True)
-    expected = act.sdpa_saved_statistics("cuda", "flash", b, a, seq_len)
+    expected = sdpa_saved_statistics("cuda", "flash", b, a, seq_len)
     assert sum(expected.values()) == _nbytes([lse, seed, offset]), (
         f"s={seq_len}: the memory-efficient kernel saves a log-sum-exp of shape {tuple(lse.shape)} "
         f"and {seed.dtype} seed/offset; sdpa_saved_statistics says {expected}"
@@ -52,7 +53,7 @@ def test_cuda_16bit_flash_is_flash_attention_2(dtype, seq_len):
     b, a = 2, 4
     q, k, v = _meta_qkv(b, a, seq_len, 8, dtype)
     out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)
-    assert sum(act.sdpa_saved_statistics("cuda", "flash", b, a, seq_len, dtype).values()) == _nbytes(
+    assert sum(sdpa_saved_statistics("cuda", "flash", b, a, seq_len, DTYPE_NAMES[dtype]).values()) == _nbytes(
         [lse, seed, offset]
     )
     assert out.transpose(1, 2).is_contiguous(), "the output keeps q's [b, s, a, d] layout: wo reads a view"
@@ -63,20 +64,20 @@ def test_cpu_flash_saves_the_models_log_sum_exp(seq_len):
     b, a = 2, 8
     q, k, v = (torch.zeros(b, seq_len, a, 8).transpose(1, 2) for _ in range(3))
     _, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
-    assert act.sdpa_saved_statistics("cpu", "flash", b, a, seq_len) == {"log-sum-exp": _nbytes([lse])}
+    assert sdpa_saved_statistics("cpu", "flash", b, a, seq_len) == {"log-sum-exp": _nbytes([lse])}
 
 
 def test_kernel_term_is_zero_on_cpu_and_the_padding_on_cuda():
     for s in (16, 32, 33):
-        assert act.kernel_term_bytes("cpu", CFG, 2, s) == 0
+        assert sdpa_extra_bytes(CFG, 2, s, "flash", "cpu") == 0
         for device_type in ("cpu", "cuda"):
-            assert act.kernel_term_bytes(device_type, CFG, 2, s, attention="math") == 0
+            assert sdpa_extra_bytes(CFG, 2, s, "math", device_type) == 0
     a, b, s = CFG.n_heads, 2, 33
-    assert act.kernel_term_bytes("cuda", CFG, b, s) == b * a * (64 - s) * 4 + 16
-    assert act.kernel_term_bytes("cuda", CFG, b, 32) == 16, "a whole tile: only the RNG state is extra"
-    assert act.kernel_term_bytes("cuda", CFG, b, s, tp_size=2) == b * (a // 2) * (64 - s) * 4 + 16
-    with pytest.raises(NotImplementedError):
-        act.sdpa_saved_statistics("xpu", "flash", 1, 1, 16)
+    assert sdpa_extra_bytes(CFG, b, s, "flash", "cuda") == b * a * (64 - s) * 4 + 16
+    assert sdpa_extra_bytes(CFG, b, 32, "flash", "cuda") == 16, "a whole tile: only the RNG state is extra"
+    assert sdpa_extra_bytes(CFG, b, s, "flash", "cuda", tp_size=2) == b * (a // 2) * (64 - s) * 4 + 16
+    with pytest.raises(ValueError, match="measure it"):
+        sdpa_saved_statistics("xpu", "flash", 1, 1, 16)
 
 
 @pytest.mark.parametrize("attention", ["flash", "math"])
@@ -86,8 +87,8 @@ def test_measurement_honours_its_device_and_the_model_follows_the_kernel(attenti
     meta = act.measure_layer_bytes(CFG, 2, seq_lens, attention=attention, device=torch.device("meta"))
     for s in seq_lens:
         model = activation_bytes_per_layer(CFG, 2, s, attention=attention)
-        assert cpu[(s, False)] == model + act.kernel_term_bytes("cpu", CFG, 2, s, attention=attention) == model
-        assert meta[(s, False)] == model + act.kernel_term_bytes("meta", CFG, 2, s, attention=attention), (
+        assert cpu[(s, False)] == model + sdpa_extra_bytes(CFG, 2, s, attention, "cpu") == model
+        assert meta[(s, False)] == model + sdpa_extra_bytes(CFG, 2, s, attention, "meta"), (
             f"s={s}, {attention}: measured on meta {meta[(s, False)]} B; meta's SDPA runs the math kernel"
         )
     if attention == "flash":

@@ -292,42 +292,76 @@ def recompute_flops(cfg: ModelConfig, batch: int, seq_len: int, policy) -> dict[
 
 # ------------------------------------------------------------------ the device's attention kernel
 
-# Rows of log-sum-exp the fp32 SDPA kernel of each device pads the sequence to (see sdpa_extra_bytes).
-SDPA_LSE_ALIGN = {"cpu": 1, "cuda": 32}
+# Bytes per element of the inputs SDPA may get, and which CUDA kernel each dtype runs.
+SDPA_DTYPES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
-def sdpa_extra_bytes(
-    cfg: ModelConfig, batch: int, seq_len: int, attention: str = "flash", device_type: str = "cpu"
-) -> int:
-    """Bytes one attention call's saved outputs take on ``device_type`` beyond the terms above, which
-    read the CPU kernel ("flash": o and a·s·b fp32 log-sum-exp values). fp32 inputs, as the course model.
+def sdpa_saved_statistics(
+    device_type: str, attention: str, batch: int, n_heads: int, seq_len: int, dtype: str = "fp32"
+) -> dict[str, int]:
+    """Bytes that ``F.scaled_dot_product_attention`` saves for backward besides q, k, v and its output,
+    by tensor, for ``n_heads`` heads of ``batch`` sequences of ``seq_len`` on a ``device_type`` device.
 
-    On CUDA, ``F.scaled_dot_product_attention`` cannot run FlashAttention on fp32 (fp16/bf16 only)
-    and runs the memory-efficient kernel (Rabe & Staats 2021, "Self-attention Does Not Need O(n²)
-    Memory"; xFormers' CUTLASS kernel, PyTorch's ``_efficient_attention_forward`` in
-    aten/src/ATen/native/transformers/cuda/attention.cu). It allocates its log-sum-exp as
-    [b, a, ⌈s/32⌉·32] (``kAlignLSE`` = 32: padded so that the backward kernel's loads stay aligned) and
-    returns two int64 scalars (the dropout RNG's seed and offset), which backward takes even without
-    dropout:
+    * ``"math"``, any device: the softmax probabilities P = softmax(QKᵀ/√d), [b, a, s, s] in ``dtype``;
+      so does ``"flash"`` on the meta device, which has no fused kernel (SDPA falls back to math).
+    * ``"flash"`` lets SDPA choose the device's fused kernel, which keeps one log-sum-exp per row
+      (fp32) instead of P (Dao et al. 2022, FlashAttention §3.1):
 
-        extra = 4·a·b·(⌈s/32⌉·32 − s) + 2·8 bytes      (CUDA, "flash"; 0 on the CPU)
+      - cpu: a FlashAttention-style kernel; log-sum-exp [b, a, s] (the terms above).
+      - cuda, fp32: FlashAttention takes only 16-bit inputs, so SDPA runs the memory-efficient kernel
+        (Rabe & Staats 2021; xFormers' CUTLASS kernel), whose log-sum-exp is padded to its 32-row tiles
+        (``kAlignLSE`` = 32), [b, a, ⌈s/32⌉·32], plus the dropout RNG's seed and offset (two int64
+        scalars, saved even at dropout 0).
+      - cuda, fp16/bf16: FlashAttention-2; log-sum-exp [b, a, s] and the RNG state, a uint64 pair
+        and a uint64 offset.
 
-    The math kernel is the same composite of ops on every device: no extra. Read from PyTorch's
-    source; the course's machines had no GPU to measure it on (tests/test_device_recompute.py
-    checks the arithmetic, tests/test_recompute.py the whole model where it runs).
+    The CUDA shapes are those PyTorch's own shape functions allocate (``torch/_meta_registrations.py``,
+    ``_scaled_dot_product_{efficient,flash}_attention``; tests/test_device_measure.py runs them on
+    meta tensors). They assume a head_dim the fused kernels accept (a multiple of 8). Another device
+    type raises: measure its kernel first.
     """
     if attention not in ATTENTION_KERNELS:
         raise ValueError(f"attention={attention!r}: use one of {ATTENTION_KERNELS} (the kernel SDPA runs)")
-    if device_type not in SDPA_LSE_ALIGN:
-        raise ValueError(
-            f"no model of what SDPA saves on {device_type!r} (known: {sorted(SDPA_LSE_ALIGN)}): measure it with "
-            "course_lib.measure.recompute.measure_recompute and add the device's kernel here"
-        )
-    if attention == "math" or device_type == "cpu":
-        return 0
-    align = SDPA_LSE_ALIGN[device_type]
-    padded = -(-seq_len // align) * align
-    return 4 * cfg.n_heads * batch * (padded - seq_len) + 2 * 8
+    if dtype not in SDPA_DTYPES:
+        raise ValueError(f"dtype={dtype!r}: use one of {sorted(SDPA_DTYPES)}")
+    b, a, s = batch, n_heads, seq_len
+    if attention == "math" or device_type == "meta":  # meta tensors have no fused kernel: SDPA runs math
+        return {"softmax probabilities": b * a * s * s * SDPA_DTYPES[dtype]}
+    fp32, int64 = 4, 8
+    if device_type == "cpu":
+        return {"log-sum-exp": b * a * s * fp32}
+    if device_type == "cuda" and dtype == "fp32":
+        padded = -(-s // 32) * 32  # kAlignLSE = 32: one log-sum-exp row per query row of a 32-row tile
+        return {"log-sum-exp (padded to 32 rows)": b * a * padded * fp32, "philox seed and offset": 2 * int64}
+    if device_type == "cuda":
+        return {"log-sum-exp": b * a * s * fp32, "RNG state (seed pair, offset)": 3 * int64}
+    raise ValueError(
+        f"no model of what SDPA's {attention!r} kernel saves on {device_type!r} (known: cpu, cuda, meta): measure "
+        "it with course_lib.measure.activations.SavedTensorMeter around F.scaled_dot_product_attention, then add it here"
+    )
+
+
+def sdpa_extra_bytes(
+    cfg: ModelConfig,
+    batch: int,
+    seq_len: int,
+    attention: str = "flash",
+    device_type: str = "cpu",
+    tp_size: int = 1,
+    dtype: str = "fp32",
+) -> int:
+    """Bytes one attention call saves on ``device_type`` beyond the terms above, which read the CPU
+    kernel: :func:`sdpa_saved_statistics` on that device minus on the CPU, for the a/t heads of one
+    tensor-parallel rank (sequence parallelism gathers the whole sequence for attention). In fp32:
+
+        extra = 4·(a/t)·b·(⌈s/32⌉·32 − s) + 2·8 bytes      (CUDA, "flash"; 0 on the CPU and for "math")
+
+    Read from PyTorch's source and its shape functions; the course's machines had no GPU to measure it
+    on (``./course gpu-check`` runs the measurements that would show it)."""
+    heads = cfg.n_heads // tp_size
+    here = sdpa_saved_statistics(device_type, attention, batch, heads, seq_len, dtype)
+    cpu = sdpa_saved_statistics("cpu", attention, batch, heads, seq_len, dtype)
+    return sum(here.values()) - sum(cpu.values())
 
 
 def recompute_kernel_extra(

@@ -4,9 +4,9 @@ and :class:`LiveTensorMeter`, the bytes of tensors alive after every op of a for
 pass, which sees what saved-tensor hooks cannot (lecture 06, :mod:`course_lib.measure.recompute`).
 
 The model counts what the CPU kernels save. On another device ``F.scaled_dot_product_attention``
-runs another kernel, which saves other statistics: :func:`sdpa_saved_statistics` gives them per
-device type, and :func:`kernel_term_bytes` the difference the measurement then shows
-(:func:`model_vs_measurement` adds it to the model of the device that measured).
+runs another kernel, which saves other statistics: ``cost.activations.sdpa_saved_statistics`` gives
+them per device type, and ``cost.activations.sdpa_extra_bytes`` the difference the measurement then
+shows (:func:`model_vs_measurement` adds it to the model of the device that measured).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from course_lib.cost.activations import ATTENTION_KERNELS, activation_bytes_per_layer
+from course_lib.cost.activations import ATTENTION_KERNELS, activation_bytes_per_layer, sdpa_extra_bytes
 from course_lib.dist import Mesh, device, launch
 from course_lib.model.config import ModelConfig
 from course_lib.model.transformer import Transformer
@@ -165,75 +165,13 @@ def sdpa_kernel(attention: str):
     return choose(SDPBackend.MATH) if attention == "math" else contextlib.nullcontext()
 
 
-def sdpa_saved_statistics(
-    device_type: str, attention: str, batch: int, n_heads: int, seq_len: int, dtype: torch.dtype = torch.float32
-) -> dict[str, int]:
-    """Bytes that ``F.scaled_dot_product_attention`` saves for backward besides q, k, v and its output,
-    by tensor, for ``n_heads`` heads of ``batch`` sequences of ``seq_len`` on a ``device_type`` device.
-
-    * ``"math"``, any device: the softmax probabilities P = softmax(QKᵀ/√d), [b, a, s, s] in ``dtype``;
-      so does ``"flash"`` on the meta device, which has no fused kernel (SDPA falls back to math).
-    * ``"flash"`` lets SDPA choose the device's fused kernel, which keeps one log-sum-exp per row
-      (fp32) instead of P (Dao et al. 2022, FlashAttention §3.1):
-
-      - cpu: a FlashAttention-style kernel; log-sum-exp [b, a, s] (the model's term,
-        :func:`course_lib.cost.activations.activation_terms`).
-      - cuda, fp32: the memory-efficient kernel (xFormers/CUTLASS; FlashAttention-2 takes only 16-bit
-        inputs), whose log-sum-exp is padded to its 32-row tiles, [b, a, ⌈s/32⌉·32], plus the dropout
-        RNG's philox seed and offset (two int64 scalars, saved even at dropout 0).
-      - cuda, fp16/bf16: FlashAttention-2; log-sum-exp [b, a, s] and the RNG state, a uint64 pair
-        and a uint64 offset.
-
-    The CUDA shapes are those PyTorch's own shape functions allocate (``torch/_meta_registrations.py``,
-    ``_scaled_dot_product_{efficient,flash}_attention``; tests/test_device_measure.py runs them on
-    meta tensors). They assume a head_dim the fused kernels accept (a multiple of 8), else SDPA falls
-    back to another kernel. Another device type: ask its kernel, so this raises.
-    """
-    if attention not in ATTENTION_KERNELS:
-        raise ValueError(f"attention={attention!r}: use one of {ATTENTION_KERNELS}")
-    b, a, s = batch, n_heads, seq_len
-    if attention == "math" or device_type == "meta":  # meta tensors have no fused kernel: SDPA runs math
-        return {"softmax probabilities": b * a * s * s * dtype.itemsize}
-    fp32, int64 = torch.float32.itemsize, torch.int64.itemsize
-    if device_type == "cpu":
-        return {"log-sum-exp": b * a * s * fp32}
-    if device_type == "cuda" and dtype == torch.float32:
-        padded = -(-s // 32) * 32  # kAlignLSE = 32: one log-sum-exp row per query row of a 32-row tile
-        return {"log-sum-exp (padded to 32 rows)": b * a * padded * fp32, "philox seed and offset": 2 * int64}
-    if device_type == "cuda" and dtype in (torch.float16, torch.bfloat16):
-        return {"log-sum-exp": b * a * s * fp32, "RNG state (seed pair, offset)": 3 * torch.uint64.itemsize}
-    raise NotImplementedError(
-        f"no model of what SDPA's {attention!r} kernel saves on {device_type} for {dtype}: measure it with "
-        "SavedTensorMeter around F.scaled_dot_product_attention and add it to sdpa_saved_statistics"
-    )
-
-
-def kernel_term_bytes(
-    device_type: str,
-    cfg: ModelConfig,
-    batch: int,
-    seq_len: int,
-    tp_size: int = 1,
-    attention: str = "flash",
-    dtype: torch.dtype = torch.float32,
-) -> int:
-    """Bytes one rank's block saves on ``device_type`` beyond :func:`~course_lib.cost.activations.activation_bytes_per_layer`
-    (which counts the CPU kernel's statistics): 0 on CPU and for the math kernel; on CUDA in fp32 the
-    log-sum-exp padding b·(a/t)·(⌈s/32⌉·32 − s)·4 B plus 16 B of RNG state. Tensor parallelism
-    splits the heads, a/t per rank (sequence parallelism gathers the whole sequence for attention)."""
-    heads = cfg.n_heads // tp_size
-    here = sdpa_saved_statistics(device_type, attention, batch, heads, seq_len, dtype)
-    cpu = sdpa_saved_statistics("cpu", attention, batch, heads, seq_len, dtype)
-    return sum(here.values()) - sum(cpu.values())
-
-
 def measure_block(
     block: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: str = "flash"
 ) -> int:
     """Bytes of activations ``block(x, cos, sin)`` saves for backward on this rank (x counts: it is saved).
 
     Measured on ``x``'s device, where ``block``, ``cos`` and ``sin`` must be too: what SDPA saves
-    depends on the device's kernel (:func:`sdpa_saved_statistics`).
+    depends on the device's kernel (:func:`~course_lib.cost.activations.sdpa_saved_statistics`).
     ``x`` is copied first: a slice of a larger tensor would be counted with its whole storage.
     """
     where = {t.device for t in (*block.parameters(), cos, sin)}
@@ -299,7 +237,7 @@ def measure_layer_bytes(
     :mod:`course_lib.cost.activations` counts). More launches tp_size ranks that each measure their
     ``TPBlock`` on their own device (one launch for all seq_lens and settings; rank 0's numbers,
     since every rank holds the same shapes). On CUDA the bytes differ from the model by
-    :func:`kernel_term_bytes`.
+    :func:`~course_lib.cost.activations.sdpa_extra_bytes`.
     """
     return _measure(cfg, batch, seq_lens, tp_size, settings, attention, seed, device)[0]
 
@@ -311,7 +249,7 @@ def model_vs_measurement(
 
     Layouts: "dense" (t = 1), "TP" and "TP+SP" (t = ``tp_size``). Two launches at most in all.
     Each row's model is that of the device which measured it (``"device"``: the dense layer here,
-    the TP layouts on the ranks): :func:`activation_bytes_per_layer` plus :func:`kernel_term_bytes`,
+    the TP layouts on the ranks): :func:`activation_bytes_per_layer` plus ``sdpa_extra_bytes``,
     which is 0 on CPU.
     """
     dense, dense_on = _measure(cfg, batch, seq_lens, 1, (False,), attention, 0, None)
@@ -323,7 +261,7 @@ def model_vs_measurement(
     for (layout, s), (got, on) in sorted(measured.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         t = 1 if layout == "dense" else tp_size
         model = activation_bytes_per_layer(cfg, batch, s, t, layout == "TP+SP", attention)
-        model += kernel_term_bytes(on, cfg, batch, s, t, attention)
+        model += sdpa_extra_bytes(cfg, batch, s, attention, on, t)
         rows.append(
             {
                 "layout": layout,
