@@ -134,8 +134,11 @@ def device() -> torch.device:
 
 def synchronize() -> None:
     """Wait for queued device work (a no-op on CPU) — needed before reading a wall clock."""
-    if device().type != "cpu":
-        torch.accelerator.synchronize(device())
+    if not torch.accelerator.is_available():
+        return  # a CPU-only machine: nothing is queued (and the rule need not be applied inside a timing)
+    here = device()
+    if here.type != "cpu":
+        torch.accelerator.synchronize(here)
 
 
 def init(
