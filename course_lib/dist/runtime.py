@@ -170,14 +170,20 @@ def init(
     # can be an unreachable address. Loopback is always right for single-machine runs.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     be = backend()
+    extra = {}
     if be != "gloo":
         torch.accelerator.set_device_index(device().index)
+        # Eager initialisation: the communicators of the world and of every later new_group are made
+        # at once, by all their ranks. batch_isend_irecv's first call on a group otherwise needs every
+        # rank of the group in it (torch's docstring), which a pipeline's stage pair is not.
+        extra["device_id"] = device()
     dist.init_process_group(
         be,
         store=store,
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
+        **extra,
     )
 
 
