@@ -35,7 +35,7 @@ def decode_speed(model, contexts, new_tokens: int = 16, caches=(None, "contiguou
         for cache in caches:
             best = float("inf")
             for _ in range(repeats):
-                store = _fresh(cache, length + new_tokens)
+                store = _fresh(cache, length + new_tokens, dev)
                 if store is not None:
                     model(prompt, cache=store)  # prefill, not timed
                 start = clock()
@@ -49,11 +49,12 @@ def decode_speed(model, contexts, new_tokens: int = 16, caches=(None, "contiguou
     return results
 
 
-def _fresh(cache, total: int):
+def _fresh(cache, total: int, device: torch.device):
+    """A new cache of the kind asked for, on the model's ``device`` (None: no cache)."""
     if cache is None:
         return None
     if cache == "contiguous":
-        return ContiguousCache(1, total)
-    store = PagedCache(-(-total // 16), 16)
+        return ContiguousCache(1, total, device)
+    store = PagedCache(-(-total // 16), 16, device=device)
     store.batch = [store.add_sequence([0] * total)]  # token ids only matter for prefix hashes
     return store

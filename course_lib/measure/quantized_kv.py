@@ -177,7 +177,7 @@ def decode_attention_error(q, k, v, prompt_len: int = 1, **cache_kwargs) -> dict
     Returns ``error`` and ``bound`` [steps, b, H, d] (|ô − o| and :func:`attention_bound`), ``worst_ratio``
     (max error/bound), ``relative`` (rms |ô − o| / rms o)."""
     b, n = k.shape[0], k.shape[2]
-    cache = QuantizedCache(b, n, **cache_kwargs)
+    cache = QuantizedCache(b, n, **cache_kwargs, device=k.device)
     errors, bounds, exact = [], [], []
     steps = [(0, prompt_len)] + [(t, t + 1) for t in range(prompt_len, n)]
     for start, end in steps:
@@ -239,8 +239,9 @@ def logit_error(model: Transformer, tokens: torch.Tensor, prompt_len: int, **cac
     (max |Δlogit| over max |logit|), ``agreement`` (fraction of positions with the same argmax) and
     ``min_margin`` (smallest top-2 gap of the full-precision logits: below 2·max_abs an argmax may flip)."""
     b, n = tokens.shape
-    full = decode_logits(model, tokens, prompt_len, ContiguousCache(b, n))
-    quant = decode_logits(model, tokens, prompt_len, QuantizedCache(b, n, **cache_kwargs))
+    on = tokens.device  # the model's: decode_logits feeds it the tokens
+    full = decode_logits(model, tokens, prompt_len, ContiguousCache(b, n, on))
+    quant = decode_logits(model, tokens, prompt_len, QuantizedCache(b, n, **cache_kwargs, device=on))
     top2 = full.topk(2, dim=-1).values
     diff = (quant - full).abs()
     return {
@@ -406,7 +407,8 @@ def hf_side_by_side(
         cache_config={"backend": "quanto", **options},
         return_dict_in_generate=True,
     )
-    full = ContiguousCache(b, total)
+    on = next(model.parameters()).device
+    full = ContiguousCache(b, total, on)
     ours = {"kivi": dict(residual=residual), "as_hf": dict(residual=0, key_mode="per_token")}
     result = {
         "extension_s": seconds,
@@ -418,16 +420,16 @@ def hf_side_by_side(
         "bytes": {"full": full.used_bytes(), "hf": hf_cache_bytes(generated.past_key_values)["total"]},
     }
     for name, kwargs in ours.items():
-        cache = QuantizedCache(b, total, nbits, group_size, **kwargs)
+        cache = QuantizedCache(b, total, nbits, group_size, **kwargs, device=on)
         result["tokens"][name] = generate(model, prompt, max_new_tokens, cache)
         result["bytes"][name] = cache.stored_bytes()
 
     tokens = result["tokens"]["full"][:, :-1]  # the last token is generated, never fed
-    reference = decode_logits(model, tokens, n, ContiguousCache(b, total))
+    reference = decode_logits(model, tokens, n, ContiguousCache(b, total, on))
     hf_reference = _hf_decode_logits(hf, tokens, n, DynamicCache(config=hf.config))
     logits = {"hf": _hf_decode_logits(hf, tokens, n, HFQuantizedCache(backend="quanto", config=hf.config, **options))}
     for name, kwargs in ours.items():
-        logits[name] = decode_logits(model, tokens, n, QuantizedCache(b, total, nbits, group_size, **kwargs))
+        logits[name] = decode_logits(model, tokens, n, QuantizedCache(b, total, nbits, group_size, **kwargs, device=on))
     result["logit_error"] = {
         name: _compare(x, hf_reference if name == "hf" else reference) for name, x in logits.items()
     }
