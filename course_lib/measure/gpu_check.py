@@ -234,8 +234,10 @@ def _run_row(row: Row, ctx: Context, deadline: float, env: dict) -> dict:
             out = subprocess.run(
                 row.command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=min(row.budget_s, left)
             )
-            # pytest's and the grader's summary is stdout's last line; a crash leaves its reason on stderr
-            tail = (out.stdout.strip() or out.stderr.strip()).splitlines()[-1:] or [""]
+            # pytest's summary is stdout's last line, a grader's its "total" row; a crash leaves its reason on stderr
+            lines = [ln.strip("│ ") for ln in out.stdout.strip().splitlines() if ln.strip("│└─┴┘ ")]
+            totals = [" ".join(ln.replace("│", " ").split()) for ln in lines if ln.startswith("total")]
+            tail = totals[-1:] or lines[-1:] or out.stderr.strip().splitlines()[-1:] or [""]
             if out.returncode != 0 and out.stderr.strip():
                 tail = out.stderr.strip().splitlines()[-1:]
             result.update(status="PASS" if out.returncode == 0 else "FAIL", detail=tail[0][:200])
