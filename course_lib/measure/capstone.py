@@ -44,7 +44,8 @@ def one_process(steps: int, lr: float, global_batch: int, seq_len: int, n_layers
 
 
 def _composed_rank(layout: Layout, steps, lr, global_batch, seq_len, n_layers, seed, data_seed, traced_step):
-    composed = Composed(_model(n_layers, seed).to(device()), layout, global_batch)  # Composed computes where the model is
+    # Composed computes where the model is: on the rank's device
+    composed = Composed(_model(n_layers, seed).to(device()), layout, global_batch)
     opt = torch.optim.SGD(composed.parameters(), lr=lr)
     losses, spans = [], []
     for step, (x, y) in enumerate(_batches(steps, global_batch, seq_len, data_seed)):

@@ -60,7 +60,9 @@ def _token_dropout(x: torch.Tensor, p: float = 0.1) -> torch.Tensor:
     """Replace a fraction p of the tokens of a host batch by random symbols, from this rank's global
     CPU RNG: the generator whose state :mod:`course_lib.checkpoint.resume` saves and restores, so the
     draws (and a resumed run) are the same on every machine. Move the result to the device after."""
-    assert x.device.type == "cpu", f"token dropout works on the host batch, before it moves to the device; got {x.device}"
+    assert x.device.type == "cpu", (
+        f"token dropout works on the host batch, before it moves to the device; got {x.device}"
+    )
     mask = torch.rand(x.shape) < p  # host: the checkpointed CPU generator, identical draws on every machine
     # host: the same checkpointed CPU generator, so a resumed run draws what the uninterrupted one drew
     return torch.where(mask, torch.randint(0, 16, x.shape), x)
@@ -148,7 +150,9 @@ def train(
             sharded.save(root, train_state.step, state, keep=keep)
             if snapshots:
                 out["saved"][train_state.step] = full_state(zero)
-    out.update(state=full_state(zero), step=train_state.step, next_batch=next(batches), rng=torch.rand(4))  # host: the CPU RNG's state
+    out.update(
+        state=full_state(zero), step=train_state.step, next_batch=next(batches), rng=torch.rand(4)
+    )  # host: the CPU RNG's state
     return out
 
 
