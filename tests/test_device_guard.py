@@ -12,8 +12,8 @@ run (``course_lib/``, the graders, ``solutions/``, the labs' entry scripts and `
   timing that does not synchronise measures the queueing (use ``course_lib.dist.timing.clock``).
 
 A tensor that is meant to live on the host (an RNG state, a count kept for bookkeeping, data made on
-the CPU so that every machine draws the same numbers) says so with a comment on the call's line or
-the line above: ``# host: <why>``. A module that never meets a rank's device (the synthetic language
+the CPU so that every machine draws the same numbers) says so with a comment on the statement's
+lines or the line above: ``# host: <why>``. A module that never meets a rank's device (the synthetic language
 is drawn on the host so any machine gets the same tokens) says so once, near its top:
 ``# device-guard: host-only: <why>``. The reason is required; an empty one is a finding too.
 
@@ -90,6 +90,18 @@ def _reason(lines: list[str], first: int, last: int) -> str | None:
     return None
 
 
+def _simple_statements(tree: ast.AST) -> dict[int, tuple[int, int]]:
+    """id(call) -> the lines of the simple statement (an assignment, a return, an expression ...) that
+    holds it. Calls inside a compound statement's header (``for x in torch.arange(n):``) keep their own."""
+    spans = {}
+    for stmt in ast.walk(tree):
+        if isinstance(stmt, ast.stmt) and not hasattr(stmt, "body"):
+            for node in ast.walk(stmt):
+                if isinstance(node, ast.Call):
+                    spans[id(node)] = (stmt.lineno, stmt.end_lineno or stmt.lineno)
+    return spans
+
+
 def findings(path: Path, text: str | None = None, rel: str | None = None) -> list[str]:
     """Every violation in one file, as ``path:line: what to do``."""
     text = path.read_text() if text is None else text
@@ -100,10 +112,14 @@ def findings(path: Path, text: str | None = None, rel: str | None = None) -> lis
         if m:
             return [] if (m.group(1) or "").strip() else [f"{rel}: '# device-guard: host-only:' needs a reason"]
     out = []
-    for node in ast.walk(ast.parse(text)):
+    tree = ast.parse(text)
+    statement = _simple_statements(tree)
+    for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
             continue
-        first, last = node.lineno, node.end_lineno or node.lineno
+        # the reason may stand anywhere in the simple statement holding the call (the formatter moves a
+        # trailing comment to the statement's last line when it wraps a long call) or on the line above
+        first, last = statement.get(id(node), (node.lineno, node.end_lineno or node.lineno))
         factory = _is_torch_attr(node.func, FACTORIES)
         if factory is not None:
             if any(k.arg == "device" or k.arg is None for k in node.keywords):  # None: **kwargs passes it on
@@ -158,6 +174,9 @@ def step(x, device):
     seed = torch.tensor([1, 2])  # host: an RNG seed, read on the host
     like = torch.zeros(3, **{"device": device})
     wall = time.perf_counter()  # host: the deadline of a host-side wait
+    out = dict(
+        state=x, rng=torch.rand(4)
+    )  # host: the CPU generator's next draws (ruff put this comment after the wrapped call)
     return x + ones, clock() - start
 """
 
