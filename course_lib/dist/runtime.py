@@ -132,6 +132,23 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def require_on_device(module: torch.nn.Module, wrapper: str) -> None:
+    """ValueError naming the fix unless every parameter and buffer of ``module`` is on :func:`device`.
+
+    The course's wrappers (DDP, ZeRO, the composed model) shard, broadcast and reduce a module's tensors
+    where they are and move nothing behind the caller's back, as torch's own DDP and FSDP expect; NCCL
+    reduces device tensors only, so a module left on the CPU would fail there, later and less clearly.
+    """
+    here = device()
+    placed = {str(t.device) for t in [*module.parameters(), *module.buffers()]} - {str(here)}
+    if placed:
+        raise ValueError(
+            f"{wrapper}: the model's tensors are on {sorted(placed)} but this rank computes on {here}: move it "
+            f"first, {wrapper}(model.to(course_lib.dist.device()), ...), and its batches with it "
+            "(x.to(course_lib.dist.device()))"
+        )
+
+
 def synchronize() -> None:
     """Wait for queued device work (a no-op on CPU) — needed before reading a wall clock."""
     if not torch.accelerator.is_available():

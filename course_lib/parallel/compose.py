@@ -38,6 +38,7 @@ import torch.nn as nn
 
 from course_lib.dist import device
 from course_lib.dist.mesh import Mesh
+from course_lib.dist.runtime import require_on_device
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.expert.layer import ExpertParallelMoE, expert_parallel, expert_params
 from course_lib.parallel.pipeline import runtime, schedules
@@ -138,12 +139,7 @@ class Composed:
 
     def __init__(self, model: Transformer, layout: Layout, global_batch: int):
         check_layout(layout, model.cfg, global_batch)
-        where = {str(p.device) for p in model.parameters()} - {str(device())}
-        if where:
-            raise ValueError(
-                f"the model's parameters are on {sorted(where)} but this rank computes on {device()}: "
-                "pass model.to(course_lib.dist.device()), so that its stage and its collectives are on one device"
-            )
+        require_on_device(model, "Composed")  # its stage and its collectives on the rank's device
         self.layout, self.cfg, self.global_batch = layout, model.cfg, global_batch
         self.mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep)
         self.schedule = schedules.build(layout.schedule, layout.pp, layout.m)

@@ -56,7 +56,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from course_lib.dist import device, trace
+from course_lib.dist import trace
+from course_lib.dist.runtime import require_on_device
 from course_lib.parallel.data.comm_hook import GradBucket
 
 MB = 1024 * 1024  # torch counts bucket_cap_mb in MiB: cap_bytes = int(bucket_cap_mb * 2**20)
@@ -163,12 +164,7 @@ class DistributedDataParallel(nn.Module):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the module has no parameters that require gradients: nothing to synchronise")
-        placed = {str(t.device) for t in [*module.parameters(), *module.buffers()]} - {str(device())}
-        if placed:  # NCCL broadcasts and all-reduces device tensors only
-            raise ValueError(
-                f"the module's tensors are on {sorted(placed)} but this rank computes on {device()}: move it "
-                "first, DistributedDataParallel(module.to(course_lib.dist.device()), ...), and its batches with it"
-            )
+        require_on_device(module, "DistributedDataParallel")  # NCCL broadcasts and reduces device tensors only
         kinds = {(p.dtype, p.device) for _, p in named}
         if len(kinds) > 1:
             raise ValueError(

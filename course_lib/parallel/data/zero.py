@@ -56,6 +56,7 @@ from torch.profiler import record_function
 from course_lib.cost.memory import STAGES
 from course_lib.dist import device as compute_device
 from course_lib.dist.census import held_bytes
+from course_lib.dist.runtime import require_on_device
 from course_lib.optim.optimizers import adamw_
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -153,13 +154,7 @@ class Zero:
                 "Zero needs torch.distributed initialised: run under course_lib.dist.launch, "
                 "accelerate launch or torchrun"
             )
-        placed = {str(t.device) for t in [*model.parameters(), *model.buffers()]} - {str(compute_device())}
-        if placed:
-            raise ValueError(
-                f"the model's tensors are on {sorted(placed)} but this rank computes on {compute_device()}: "
-                "move the model first, Zero(model.to(course_lib.dist.device()), ...), and its batches with it "
-                "(x.to(course_lib.dist.device())); Zero shards the parameters where they are and does not move them"
-            )
+        require_on_device(model, "Zero")  # Zero shards the parameters where they are and moves nothing
         self.model, self.stage, self.group = model, stage, group
         self.lr, (self.beta1, self.beta2), self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
