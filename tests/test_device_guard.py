@@ -121,26 +121,23 @@ def findings(path: Path, text: str | None = None, rel: str | None = None) -> lis
         # trailing comment to the statement's last line when it wraps a long call) or on the line above
         first, last = statement.get(id(node), (node.lineno, node.end_lineno or node.lineno))
         factory = _is_torch_attr(node.func, FACTORIES)
-        if factory is not None:
-            if any(k.arg == "device" or k.arg is None for k in node.keywords):  # None: **kwargs passes it on
-                continue
-            reason = _reason(lines, first, last)
-            if reason is None:
-                out.append(
-                    f"{rel}:{first}: torch.{factory}(...) without device=: pass device=course_lib.dist.device() "
-                    "(or the device of the tensor it meets), or say why it lives on the host: '# host: <why>'"
-                )
-            elif not reason:
-                out.append(f"{rel}:{first}: '# host:' needs a reason")
+        if factory is not None and not any(k.arg in ("device", None) for k in node.keywords):  # None: **kwargs
+            problem = (
+                f"torch.{factory}(...) without device=: pass device=course_lib.dist.device() (or the device "
+                "of the tensor it meets), or say why it lives on the host: '# host: <why>'"
+            )
         elif _is_perf_counter(node.func) and rel != TIMER_HOME:
-            reason = _reason(lines, first, last)
-            if reason is None:
-                out.append(
-                    f"{rel}:{first}: time.perf_counter() does not wait for the device: use "
-                    "course_lib.dist.timing.clock() (or '# host: <why>' for a host-only duration)"
-                )
-            elif not reason:
-                out.append(f"{rel}:{first}: '# host:' needs a reason")
+            problem = (
+                "time.perf_counter() does not wait for the device: use course_lib.dist.timing.clock() "
+                "(or '# host: <why>' for a host-only duration)"
+            )
+        else:
+            continue
+        reason = _reason(lines, first, last)
+        if reason is None:
+            out.append(f"{rel}:{first}: {problem}")
+        elif not reason:
+            out.append(f"{rel}:{first}: '# host:' needs a reason")
     return sorted(out, key=lambda s: int(s.split(":")[1]) if s.split(":")[1].isdigit() else 0)
 
 

@@ -31,7 +31,7 @@ import torch._functorch.config as functorch_config
 
 from course_lib.cost.activations import RECOMPUTE_POLICIES, recompute_kernel_extra, recompute_peak_bytes
 from course_lib.dist import device as rank_device
-from course_lib.dist.timing import clock
+from course_lib.dist.timing import time_calls
 from course_lib.measure.activations import LiveTensorMeter, SavedTensorMeter, sdpa_kernel
 from course_lib.measure.allocations import AllocationTrace
 from course_lib.model.config import ModelConfig
@@ -229,7 +229,7 @@ def step_time_and_peak(
 
     Every call compiles afresh (dynamo is reset: guards do not see the budget, so a second model of
     the same shapes would otherwise reuse the first one's partition). On ``device`` (default
-    :func:`course_lib.dist.device`), timed with :func:`course_lib.dist.timing.clock`.
+    :func:`course_lib.dist.device`), timed with :func:`course_lib.dist.timing.time_calls`.
     """
     if compile_budget is not None and policy != "none":
         raise ValueError("compile_budget replaces the eager policies: pass policy='none' with it")
@@ -253,9 +253,5 @@ def step_time_and_peak(
             step()
         with AllocationTrace(on) as trace:
             step()
-        times = []
-        for _ in range(steps):
-            start = clock()
-            step()
-            times.append(clock() - start)
+        times = time_calls(step, steps, warmup=0)  # warmed up above
     return {"step_s": statistics.median(times), "allocator_peak": trace.peak()}
