@@ -107,8 +107,9 @@ def _within_fp32_bound(got: torch.Tensor, a, b, out_dtype: torch.dtype) -> float
 
     A card whose tensor cores accumulate FP8 products in fewer bits (Hopper keeps about 14 between
     promotions to fp32, DeepSeek-V3 technical report §3.3.2) adds up to (K/32)·2^-13 of the sum when
-    nothing promotes; cuBLAS promotes (``use_fast_accum=False``), which keeps it inside this bound for
-    these sizes. Should a card exceed it, the row fails saying by how much: a finding to record."""
+    nothing promotes. torch asks cuBLAS not to accumulate fast (``use_fast_accum=False``, its default),
+    which should keep the result inside this bound; that is an expectation no GPU has tested yet. Should
+    a card exceed it, the row fails saying by how much: a finding to record."""
     ref = fp8.fp8_matmul(a, b, backend="emulate")
     k = a[0].shape[1]
     mag = fp8.dequantize(*a).abs() @ fp8.dequantize(*b).abs().T
