@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from course_lib.grading.starters import strip_notebook, strip_source
+from course_lib.grading.starters import strip_notebook, strip_source, with_index
 
 SOURCE = '''def f(x):
     """Doc."""
@@ -79,3 +79,36 @@ def test_starters_never_point_into_solutions(tmp_path):
     assert (
         tmp_path / "labs" / "accelerate" / "ds.yaml"
     ).read_text() == "deepspeed_config_file: labs/deepspeed/zero3.json\n"
+
+
+def test_the_learner_sees_a_fenced_region_per_task_and_an_index_with_its_lines():
+    source = '"""A lab."""\n\nimport math\n\n\n' + SOURCE
+    out = with_index(strip_source(source))
+    lines = out.splitlines()
+    assert lines[2] == '# Your code goes in the fenced "Task N — your code" regions of this file:', out
+    rows = [line for line in lines if line.startswith("#   line ")]
+    assert len(rows) == 2, f"one index row per region: {rows}"
+    for row in rows:
+        at = int(row.split()[2].rstrip(":"))
+        assert "your code" in lines[at - 1] and lines[at - 1].lstrip().startswith("# ━━"), (
+            f"the index must point at its region's opening fence: {row!r} -> line {at}: {lines[at - 1]!r}"
+        )
+    assert "Task 1: double it" in rows[0] and "your code" in rows[1]
+    assert "    # ━━ Task 1 — your code: double it ━━" in lines and "    # ━━ end of Task 1 ━━" in lines
+    compile(out, "starter.py", "exec")  # still Python
+
+
+def test_one_lab_regenerates_without_touching_the_others(tmp_path):
+    from course_lib.grading.starters import generate
+
+    for lab in ("lab01_a", "lab02_b"):
+        (tmp_path / "solutions" / lab).mkdir(parents=True)
+        (tmp_path / "solutions" / lab / "x.py").write_text(SOURCE)
+    generate(tmp_path / "solutions", tmp_path / "labs")
+    (tmp_path / "labs" / "lab02_b" / "x.py").write_text("# the learner's work\n")
+    (tmp_path / "solutions" / "lab01_a" / "x.py").write_text("x = 1\n")
+    generate(tmp_path / "solutions", tmp_path / "labs", only="lab01_a")
+    assert (tmp_path / "labs" / "lab01_a" / "x.py").read_text() == "x = 1\n"
+    assert (tmp_path / "labs" / "lab02_b" / "x.py").read_text() == "# the learner's work\n", (
+        "only= must stay in its lab"
+    )

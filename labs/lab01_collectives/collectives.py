@@ -17,6 +17,11 @@ so every link is busy all the time and no rank is a bottleneck.
 that N does not divide work too: the first chunks are one element longer.
 """
 
+# Your code goes in the fenced "Task N — your code" regions of this file:
+#   line 63: Task 1: ring reduce-scatter, in place: chunks[rank] ends as the sum; returns None
+#   line 74: Task 2: ring all-gather, in place: every chunk ends filled; returns None
+#   line 99: Task 3: all-reduce = your reduce-scatter, then all-gather; sums into tensor, returns it
+
 import torch
 import torch.distributed as dist
 
@@ -55,7 +60,9 @@ def ring_reduce_scatter_(chunks: list[torch.Tensor], group=None) -> None:
     Step s (s = 0 .. N-2): rank r sends chunk (r - s - 1) mod N and receives chunk
     (r - s - 2) mod N, which it adds to its own copy. At the last step the chunk received is r.
     """
-    raise NotImplementedError('Task 1: ring reduce-scatter (see the docstring for the schedule)')
+    # ━━ Task 1 — your code: ring reduce-scatter, in place: chunks[rank] ends as the sum; returns None ━━
+    raise NotImplementedError('Task 1: ring reduce-scatter, in place: chunks[rank] ends as the sum; returns None')
+    # ━━ end of Task 1 ━━
 
 
 def ring_all_gather_(chunks: list[torch.Tensor], group=None) -> None:
@@ -64,7 +71,9 @@ def ring_all_gather_(chunks: list[torch.Tensor], group=None) -> None:
     Step s (s = 0 .. N-2): rank r sends chunk (r - s) mod N, which it owns or has just received,
     and receives chunk (r - s - 1) mod N.
     """
-    raise NotImplementedError('Task 2: ring all-gather (see the docstring for the schedule)')
+    # ━━ Task 2 — your code: ring all-gather, in place: every chunk ends filled; returns None ━━
+    raise NotImplementedError('Task 2: ring all-gather, in place: every chunk ends filled; returns None')
+    # ━━ end of Task 2 ━━
 
 
 def ring_reduce_scatter(tensor: torch.Tensor, group=None) -> torch.Tensor:
@@ -87,4 +96,6 @@ def ring_all_gather(shard: torch.Tensor, group=None) -> torch.Tensor:
 
 def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
     """Sum ``tensor`` over the ranks, in place like ``dist.all_reduce``; returns ``tensor``."""
-    raise NotImplementedError('Task 3: ring all-reduce = reduce-scatter followed by all-gather')
+    # ━━ Task 3 — your code: all-reduce = your reduce-scatter, then all-gather; sums into tensor, returns it ━━
+    raise NotImplementedError('Task 3: all-reduce = your reduce-scatter, then all-gather; sums into tensor, returns it')
+    # ━━ end of Task 3 ━━

@@ -55,7 +55,7 @@ def ring_reduce_scatter_(chunks: list[torch.Tensor], group=None) -> None:
     Step s (s = 0 .. N-2): rank r sends chunk (r - s - 1) mod N and receives chunk
     (r - s - 2) mod N, which it adds to its own copy. At the last step the chunk received is r.
     """
-    # BEGIN SOLUTION Task 1: ring reduce-scatter (see the docstring for the schedule)
+    # BEGIN SOLUTION Task 1: ring reduce-scatter, in place: chunks[rank] ends as the sum; returns None
     rank, n, right, left = ring_neighbours(group)
     for step in range(n - 1):
         send = chunks[(rank - step - 1) % n]
@@ -72,7 +72,7 @@ def ring_all_gather_(chunks: list[torch.Tensor], group=None) -> None:
     Step s (s = 0 .. N-2): rank r sends chunk (r - s) mod N, which it owns or has just received,
     and receives chunk (r - s - 1) mod N.
     """
-    # BEGIN SOLUTION Task 2: ring all-gather (see the docstring for the schedule)
+    # BEGIN SOLUTION Task 2: ring all-gather, in place: every chunk ends filled; returns None
     rank, n, right, left = ring_neighbours(group)
     for step in range(n - 1):
         send = chunks[(rank - step) % n]
@@ -103,7 +103,7 @@ def ring_all_gather(shard: torch.Tensor, group=None) -> torch.Tensor:
 
 def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
     """Sum ``tensor`` over the ranks, in place like ``dist.all_reduce``; returns ``tensor``."""
-    # BEGIN SOLUTION Task 3: ring all-reduce = reduce-scatter followed by all-gather
+    # BEGIN SOLUTION Task 3: all-reduce = your reduce-scatter, then all-gather; sums into tensor, returns it
     n = dist.get_world_size(group)
     flat = tensor.reshape(-1)  # a view when the tensor is contiguous, a copy otherwise
     chunks = list(flat.tensor_split(n))
