@@ -79,6 +79,19 @@ def test_grade_cli_exit_code_and_table(capsys):
         grade.main(["lab99"])
 
 
+def test_grade_one_task_both_ways():
+    """``--task N`` grades Task N's rows alone: full marks on the solution, nothing on the starter."""
+    assert grade.main(["lab01", "--task", "2", "--solutions"]) == 0
+    solution = grade.grade("lab01", solutions=True, task=2)
+    starter = grade.grade("lab01", task=2)
+    assert [r.task.name for r in solution] == [r.task.name for r in starter] == [
+        "Task 2: all-gather equals torch.distributed",
+        "Task 2: all-gather sends (N-1)/N·S bytes",
+    ]
+    assert all(r.passed for r in solution) and not any(r.passed for r in starter)
+    assert all(r.feedback.startswith("not implemented yet: Task 2") for r in starter), [r.feedback for r in starter]
+
+
 def test_lab01_runs_under_accelerate_launch_at_4_ranks(accelerate_launch):
     out = accelerate_launch("solutions/lab01_collectives/run.py", "--sizes-kib", 4, "--repeats", 2)
     assert "4 ranks" in out.stdout and "correct: all three equal torch.distributed" in out.stdout
