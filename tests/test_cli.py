@@ -98,3 +98,29 @@ def test_lectures_execute_inplace_saves_the_outputs_in_the_notebook(tmp_path):
     assert saved and saved[0].text == "42\n", "--inplace must store the executed cell's output in the notebook"
     refused = subprocess.run(cmd[:4] + ["--inplace"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert refused.returncode != 0 and "use it with --execute" in refused.stderr
+
+
+def test_a_failed_vllm_install_is_tried_once_then_remembered(tmp_path):
+    """An offline learner pays for one failed vLLM install, not one per ``./course grade``: the failure is
+    remembered in .venv-vllm/.failed, later calls say how to retry (``./course setup-vllm``) and go on."""
+    (tmp_path / "requirements").mkdir()
+    for name in ("course", "pyproject.toml", "requirements/vllm-cpu.txt", "requirements/vllm-cuda.txt"):
+        (tmp_path / name).write_bytes((ROOT / name).read_bytes())
+    (tmp_path / "course").chmod(0o755)
+    os.utime(tmp_path / "pyproject.toml", (0, 0))  # older than .venv/.installed: no reinstall of the course
+    (tmp_path / ".venv").symlink_to(ROOT / ".venv")  # the course's own environment, already installed
+    # PYTHON=false: creating vLLM's environment fails at once, as it does offline (after a minute of retries)
+    env = {**os.environ, "PYTHON": "false", "PATH": "/usr/bin:/bin"}
+
+    def course(*args):
+        return subprocess.run([str(tmp_path / "course"), *args], cwd=tmp_path, env=env, capture_output=True, text=True)
+
+    first = course("grade", "-h")
+    assert first.returncode == 0 and "--task N" in first.stdout, first.stderr
+    assert "installing vLLM" in first.stderr and "./course setup-vllm" in first.stderr, first.stderr
+    assert (tmp_path / ".venv-vllm" / ".failed").exists(), "the failure must be remembered"
+    second = course("grade", "-h")
+    assert second.returncode == 0 and "setting up" not in second.stderr, "a remembered failure is not tried again"
+    assert "the last try failed" in second.stderr and "./course setup-vllm tries again" in second.stderr, second.stderr
+    retry = course("setup-vllm")
+    assert retry.returncode == 1 and "setting up" in retry.stderr, "setup-vllm tries again, and says it failed"

