@@ -34,13 +34,13 @@ Shapes: a tensor is seen as [R, C] with its leading dimensions flattened into R 
 """
 
 # Your code goes in the fenced "Task N — your code" regions of this file:
-#   line 81: Task 2: the amax of every tile (1 x 128) and block (128 x 128)
-#   line 96: Task 2: every element's scale, for any recipe and its transpose
-#   line 127: Task 1: s = amax / max, q = saturate(x / s) cast to FP8
-#   line 134: Task 1: x̂ = q · s
-#   line 149: Task 3: an FP8 GEMM accumulated in fp32 (emulated)
-#   line 177: Task 3: the forward, saving the FP8 operands
-#   line 192: Task 3: the backward from the saved FP8 operands and an e5m2 gradient
+#   line 81: Task 2: return the fp32 amax of every 1 x 128 tile or 128 x 128 block (one per group)
+#   line 96: Task 2: return every element's scale, [shape], for any recipe and its transpose
+#   line 127: Task 1: return (q, s): s = amax / max, q = saturate(x / s) cast to FP8
+#   line 134: Task 1: return x̂ = q · s in fp32, q's shape
+#   line 149: Task 3: return a · bᵀ of two (q, s) operands, accumulated in fp32 (emulated)
+#   line 177: Task 3: return y = x̂ Ŵᵀ + b in x's dtype; save the FP8 operands on ctx
+#   line 192: Task 3: return (dx, dw, db, None, None) from the saved FP8 operands and an e5m2 gradient
 
 import math
 
@@ -78,8 +78,8 @@ def amax_per_group(x: torch.Tensor, recipe: str, block: int = 128) -> torch.Tens
     and not a multiple of it is an error (raise a ValueError). Hint: reshape [R, C] to
     [R/br, br, C/bc, bc] and take the amax over dimensions 1 and 3.
     """
-    # ━━ Task 2 — your code: the amax of every tile (1 x 128) and block (128 x 128) ━━
-    raise NotImplementedError('Task 2: the amax of every tile (1 x 128) and block (128 x 128)')
+    # ━━ Task 2 — your code: return the fp32 amax of every 1 x 128 tile or 128 x 128 block (one per group) ━━
+    raise NotImplementedError('Task 2: return the fp32 amax of every 1 x 128 tile or 128 x 128 block (one per group)')
     # ━━ end of Task 2 ━━
 
 
@@ -93,8 +93,8 @@ def expand_scale(scale: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> to
     scale is x's tile scale transposed ([C/128, R]: one scale per 128 × 1 column piece).
     Hint: ``repeat_interleave`` along both dimensions.
     """
-    # ━━ Task 2 — your code: every element's scale, for any recipe and its transpose ━━
-    raise NotImplementedError("Task 2: every element's scale, for any recipe and its transpose")
+    # ━━ Task 2 — your code: return every element's scale, [shape], for any recipe and its transpose ━━
+    raise NotImplementedError("Task 2: return every element's scale, [shape], for any recipe and its transpose")
     # ━━ end of Task 2 ━━
 
 
@@ -124,15 +124,15 @@ def quantize(
     f = fp8_format(fmt)
     if recipe not in RECIPES:
         raise ValueError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
-    # ━━ Task 1 — your code: s = amax / max, q = saturate(x / s) cast to FP8 ━━
-    raise NotImplementedError('Task 1: s = amax / max, q = saturate(x / s) cast to FP8')
+    # ━━ Task 1 — your code: return (q, s): s = amax / max, q = saturate(x / s) cast to FP8 ━━
+    raise NotImplementedError('Task 1: return (q, s): s = amax / max, q = saturate(x / s) cast to FP8')
     # ━━ end of Task 1 ━━
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x̂ = q · s in fp32, each element times its own group's scale (``expand_scale``)."""
-    # ━━ Task 1 — your code: x̂ = q · s ━━
-    raise NotImplementedError('Task 1: x̂ = q · s')
+    # ━━ Task 1 — your code: return x̂ = q · s in fp32, q's shape ━━
+    raise NotImplementedError("Task 1: return x̂ = q · s in fp32, q's shape")
     # ━━ end of Task 1 ━━
 
 
@@ -146,8 +146,8 @@ def fp8_matmul(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torc
     FP8 values on the tensor cores and applies the scales to fp32 partial sums every 128 elements
     of K: the same number up to the order of the fp32 additions.)
     """
-    # ━━ Task 3 — your code: an FP8 GEMM accumulated in fp32 (emulated) ━━
-    raise NotImplementedError('Task 3: an FP8 GEMM accumulated in fp32 (emulated)')
+    # ━━ Task 3 — your code: return a · bᵀ of two (q, s) operands, accumulated in fp32 (emulated) ━━
+    raise NotImplementedError('Task 3: return a · bᵀ of two (q, s) operands, accumulated in fp32 (emulated)')
     # ━━ end of Task 3 ━━
 
 
@@ -174,8 +174,8 @@ class _FP8LinearFunction(torch.autograd.Function):
         in fp32). Save the FP8 values and scales (not x or W: the backward must use what the forward
         multiplied, and FP8 halves the memory of the saved activations), the recipes and shapes.
         """
-        # ━━ Task 3 — your code: the forward, saving the FP8 operands ━━
-        raise NotImplementedError('Task 3: the forward, saving the FP8 operands')
+        # ━━ Task 3 — your code: return y = x̂ Ŵᵀ + b in x's dtype; save the FP8 operands on ctx ━━
+        raise NotImplementedError("Task 3: return y = x̂ Ŵᵀ + b in x's dtype; save the FP8 operands on ctx")
         # ━━ end of Task 3 ━━
 
     @staticmethod
@@ -189,8 +189,8 @@ class _FP8LinearFunction(torch.autograd.Function):
         db = the sum of grad_out over the rows, in fp32, unquantized. Return None for what needs no
         gradient (``ctx.needs_input_grad``) and for recipe and grad_fmt.
         """
-        # ━━ Task 3 — your code: the backward from the saved FP8 operands and an e5m2 gradient ━━
-        raise NotImplementedError('Task 3: the backward from the saved FP8 operands and an e5m2 gradient')
+        # ━━ Task 3 — your code: return (dx, dw, db, None, None) from the saved FP8 operands and an e5m2 gradient ━━
+        raise NotImplementedError('Task 3: return (dx, dw, db, None, None) from the saved FP8 operands and an e5m2 gradient')
         # ━━ end of Task 3 ━━
 
 

@@ -69,7 +69,7 @@ def amax_per_group(x: torch.Tensor, recipe: str, block: int = 128) -> torch.Tens
     and not a multiple of it is an error (raise a ValueError). Hint: reshape [R, C] to
     [R/br, br, C/bc, bc] and take the amax over dimensions 1 and 3.
     """
-    # BEGIN SOLUTION Task 2: the amax of every tile (1 x 128) and block (128 x 128)
+    # BEGIN SOLUTION Task 2: return the fp32 amax of every 1 x 128 tile or 128 x 128 block (one per group)
     if recipe == "tensor":
         return x.abs().amax()
     cols = x.shape[-1]
@@ -98,7 +98,7 @@ def expand_scale(scale: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> to
     scale is x's tile scale transposed ([C/128, R]: one scale per 128 × 1 column piece).
     Hint: ``repeat_interleave`` along both dimensions.
     """
-    # BEGIN SOLUTION Task 2: every element's scale, for any recipe and its transpose
+    # BEGIN SOLUTION Task 2: return every element's scale, [shape], for any recipe and its transpose
     shape = tuple(shape)
     rows, cols = math.prod(shape[:-1]), shape[-1]
     s = scale.reshape(1, 1) if scale.dim() == 0 else scale.reshape(-1, scale.shape[-1])
@@ -134,7 +134,7 @@ def quantize(
     f = fp8_format(fmt)
     if recipe not in RECIPES:
         raise ValueError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
-    # BEGIN SOLUTION Task 1: s = amax / max, q = saturate(x / s) cast to FP8
+    # BEGIN SOLUTION Task 1: return (q, s): s = amax / max, q = saturate(x / s) cast to FP8
     xf = x.detach().float()
     a = amax_per_group(xf, recipe, block) if amax is None else amax.detach().float()
     s = torch.where(a > 0, a / f.max, torch.ones_like(a))
@@ -145,7 +145,7 @@ def quantize(
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x̂ = q · s in fp32, each element times its own group's scale (``expand_scale``)."""
-    # BEGIN SOLUTION Task 1: x̂ = q · s
+    # BEGIN SOLUTION Task 1: return x̂ = q · s in fp32, q's shape
     return q.float() * expand_scale(scale, q.shape)
     # END SOLUTION
 
@@ -160,7 +160,7 @@ def fp8_matmul(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torc
     FP8 values on the tensor cores and applies the scales to fp32 partial sums every 128 elements
     of K: the same number up to the order of the fp32 additions.)
     """
-    # BEGIN SOLUTION Task 3: an FP8 GEMM accumulated in fp32 (emulated)
+    # BEGIN SOLUTION Task 3: return a · bᵀ of two (q, s) operands, accumulated in fp32 (emulated)
     return dequantize(*a) @ dequantize(*b).T
     # END SOLUTION
 
@@ -188,7 +188,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         in fp32). Save the FP8 values and scales (not x or W: the backward must use what the forward
         multiplied, and FP8 halves the memory of the saved activations), the recipes and shapes.
         """
-        # BEGIN SOLUTION Task 3: the forward, saving the FP8 operands
+        # BEGIN SOLUTION Task 3: return y = x̂ Ŵᵀ + b in x's dtype; save the FP8 operands on ctx
         r = LINEAR_RECIPES[recipe]
         x2 = x.reshape(-1, x.shape[-1])
         qx, sx = quantize(x2, E4M3, r["x"])
@@ -213,7 +213,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         db = the sum of grad_out over the rows, in fp32, unquantized. Return None for what needs no
         gradient (``ctx.needs_input_grad``) and for recipe and grad_fmt.
         """
-        # BEGIN SOLUTION Task 3: the backward from the saved FP8 operands and an e5m2 gradient
+        # BEGIN SOLUTION Task 3: return (dx, dw, db, None, None) from the saved FP8 operands and an e5m2 gradient
         qx, sx, qw, sw = ctx.saved_tensors
         g2 = grad_out.reshape(-1, grad_out.shape[-1]).float()
         qg, sg = quantize(g2, ctx.grad_fmt, ctx.recipe["grad"])

@@ -508,5 +508,11 @@ TASKS = [
     Task("Task 2: an outlier costs only its own tile or block", 1, check_outlier),
     Task("Task 3: FP8Linear forward y = x̂ Ŵᵀ + b", 2, check_linear_forward),
     Task("Task 3: FP8Linear backward, e5m2 gradient, saved FP8 operands", 3, check_linear_backward),
-    Task("Task 4: FP8 training follows bf16", 3, check_fp8_training, timeout=120),
+    Task(
+        "Task 4: FP8 training follows bf16",
+        3,
+        check_fp8_training,
+        timeout=120,
+        needs=(check_linear_forward, check_linear_backward),  # Task 4 trains Task 3's layer
+    ),
 ]
