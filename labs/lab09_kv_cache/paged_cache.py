@@ -1,20 +1,34 @@
 """Lab 09 — a paged KV cache: the block pool, prefix sharing, block tables and the paged read.
 
-You write the parts of PagedAttention (Kwon et al. 2023, §4) that make its memory work:
+You write the parts of PagedAttention (Kwon et al. 2023, §4) that make its memory work. Each task's
+code is in one place, in task order; everything outside the task sections is given:
 
-* Task 1 — ``BlockPool``: ``allocate`` a block (evicting the least recently freed cached block when
-  it must), ``release`` one (a block whose count reaches 0 joins the recent end of the free list,
-  contents and hash kept), ``lookup`` a hash (a hit on a free block takes it out of the free list);
+* Task 1 — ``BlockPool.allocate``, ``lookup`` and ``release``: reference counts, an LRU free list
+  of blocks that keep their cached prefix, eviction of the least recently freed one, and a double
+  release refused with ``RuntimeError``;
 * Task 2 — prefix sharing: ``block_hash`` (sha256 of the parent block's hash and this block's
-  tokens), the lookup of a new sequence's full prompt blocks in ``PagedCache.add_sequence``, and the
-  registration of blocks that just became full in ``PagedCache.end_step``;
-* Task 3 — block tables: ``slot_mapping`` (position → slot) and ``PagedCache._reserve`` (new blocks
-  as a sequence grows, copy-on-write when the block it writes next is shared);
+  tokens), ``cached_prefix`` (the blocks of a new prompt already in the cache) and
+  ``register_full_blocks`` (make blocks that just became full findable);
+* Task 3 — block tables: ``slot_mapping`` (position → slot) and ``grow_table`` (new blocks as a
+  sequence grows, copy-on-write when the block it writes next is shared);
 * Task 4 — the paged read: ``gather_blocks``, each sequence's K or V in position order from its blocks.
 
-Everything else (the model's side of the cache protocol, forking, swapping, accounting) is given.
-README.md has the points. course_lib/inference/paged.py is the course's version: write yours first.
+Given, at the end: ``PagedCache``, which calls your functions (the model's side of the cache
+protocol, forking, swapping, accounting). README.md has the points; each task is graded on its own
+(the grader pairs it with course_lib's version of the other tasks). course_lib/inference/paged.py
+is the course's version: write yours first.
 """
+
+# Your code goes in the fenced "Task N — your code" regions of this file:
+#   line 100: Task 1: return the free list's first block at count 1, evicting its hash (cached, hash_of, evictions += 1); raise NoFreeBlocks if none is free
+#   line 109: Task 1: return the block registered under key with one more reference (out of the free list if its count was 0), or None on a miss
+#   line 119: Task 1: count - 1, at 0 append the block to the free list's end (hash kept); raise RuntimeError if its count is already 0
+#   line 133: Task 2: return the 32-byte sha256 digest of the parent's hash (a fixed root for None) and the tokens as int64
+#   line 146: Task 2: return (blocks, hashes): the prompt's whole blocks found by pool.lookup in order, up to the first miss, never the last token's block
+#   line 166: Task 2: return the chained hashes of blocks len(hashes) .. num_computed // block_size - 1, each registered with pool.register
+#   line 180: Task 3: return a tensor shaped like positions: table[p // block_size] * block_size + p % block_size for each sequence
+#   line 204: Task 3: copy-on-write of a shared block that takes the next token (copy its contents, release it, replace the entry), then append blocks until they hold n_tokens; return True if it copied
+#   line 221: Task 4: return [batch, heads, longest table * block_size, dim]: each row its table's blocks in order, padded with block 0
 
 from __future__ import annotations
 
@@ -32,42 +46,20 @@ class NoFreeBlocks(RuntimeError):
     """The pool has no free block: the scheduler must preempt a sequence (or wait) before it can grow."""
 
 
-def block_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
-    """sha256(parent hash ‖ the block's token ids as int64): the key of a full block in the prefix cache.
-
-    ``parent`` is the previous block's hash (``None`` for a sequence's first block), which makes the
-    key identify the whole prefix up to and including this block.
-    """
-    raise NotImplementedError('Task 2: the chained block hash')
-
-
-def slot_mapping(block_tables: Sequence[Sequence[int]], positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Slot of each (sequence, position): ``block_tables[s][p // block_size] · block_size + p % block_size``.
-
-    ``positions`` is [batch, t]; the result has its shape and indexes the pool viewed as
-    [num_blocks · block_size, ...].
-    """
-    raise NotImplementedError('Task 3: position -> slot through the block table')
-
-
-def gather_blocks(store: torch.Tensor, block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
-    """The paged read: sequence s's K (or V) as [batch, heads, n, dim], from its blocks in table order.
-
-    ``store`` is the pool of one layer, [num_blocks, block_size, heads, dim]. Tables are padded with
-    block 0 to the longest, so n = longest table · block_size; column j of row s is position j of
-    sequence s, and the padding columns are hidden by the causal mask (their positions are past every
-    query). The padding reads real, finite numbers (the pool starts at zero), so a masked weight of 0
-    times them stays 0.
-    """
-    raise NotImplementedError('Task 4: the paged read')
+# ====================================================================================== Task 1: the block pool
+# (given: the pool's state, ``num_free``, ``share``, ``register``; yours: ``allocate``, ``lookup``, ``release``)
 
 
 class BlockPool:
     """``num_blocks`` physical blocks: reference counts, the prefix-cache map and an LRU free list.
 
-    Invariants (tests/test_paged_cache.py checks them after every operation):
-    a block is in the free list exactly when its count is 0; a registered hash maps to a block that
-    carries it; a block is freed only while its count is positive.
+    Invariants, true after every call (the grader checks them after each operation):
+
+    * ``ref_count[b]`` is the number of references handed out for block b and never negative;
+    * ``free`` holds exactly the blocks whose count is 0 — no block is both free and in use —
+      least recently freed first;
+    * ``cached[key] == b`` exactly when ``hash_of[b] == key`` (a block's hash and the map agree);
+      a free block keeps its hash (its prefix can still be hit) until ``allocate`` evicts it.
     """
 
     def __init__(self, num_blocks: int, block_size: int):
@@ -85,23 +77,11 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self.free)
 
-    def allocate(self) -> int:
-        """A block for new tokens (count 1), evicting the least recently freed cached block if it has to."""
-        raise NotImplementedError('Task 1: allocate, evicting the least recently freed cached block')
-
-    def lookup(self, key: bytes) -> int | None:
-        """The block registered under ``key`` with one more reference, or None on a miss."""
-        raise NotImplementedError('Task 1: a prefix-cache hit')
-
     def share(self, block: int) -> None:
         """One more reference to a block in use (a forked sequence's table)."""
         if self.ref_count[block] <= 0:
             raise RuntimeError(f"block {block} is free; only a block in use can be shared")
         self.ref_count[block] += 1
-
-    def release(self, block: int) -> None:
-        """One reference fewer; at 0 the block joins the free list's recent end, contents and hash kept."""
-        raise NotImplementedError('Task 1: release a reference')
 
     def register(self, block: int, key: bytes) -> None:
         """Make a full block findable by its chained hash (a second copy of a known prefix stays private)."""
@@ -109,12 +89,150 @@ class BlockPool:
             self.cached[key] = block
             self.hash_of[block] = key
 
+    # ------------------------------------------------------------------------ Task 1: your code
+
+    def allocate(self) -> int:
+        """A block for new tokens, with count 1: the least recently freed one (the free list's first).
+
+        If it still holds a cached prefix, that prefix is evicted: its hash leaves ``cached`` and
+        ``hash_of``, and ``evictions`` counts it. Raises :class:`NoFreeBlocks` when no block is free.
+        """
+        # ━━ Task 1 — your code: return the free list's first block at count 1, evicting its hash (cached, hash_of, evictions += 1); raise NoFreeBlocks if none is free ━━
+        raise NotImplementedError("Task 1: return the free list's first block at count 1, evicting its hash (cached, hash_of, evictions += 1); raise NoFreeBlocks if none is free")
+        # ━━ end of Task 1 ━━
+
+    def lookup(self, key: bytes) -> int | None:
+        """The block registered under ``key`` with one more reference, or None on a miss.
+
+        A hit on a free block (count 0) takes it out of the free list: it is in use again.
+        """
+        # ━━ Task 1 — your code: return the block registered under key with one more reference (out of the free list if its count was 0), or None on a miss ━━
+        raise NotImplementedError('Task 1: return the block registered under key with one more reference (out of the free list if its count was 0), or None on a miss')
+        # ━━ end of Task 1 ━━
+
+    def release(self, block: int) -> None:
+        """One reference fewer; at 0 the block joins the free list's recent end, contents and hash kept.
+
+        Raises ``RuntimeError`` if the block's count is already 0: the caller released it twice (the
+        engine relies on that error to catch a sequence freed twice; a ``ValueError`` is not it).
+        """
+        # ━━ Task 1 — your code: count - 1, at 0 append the block to the free list's end (hash kept); raise RuntimeError if its count is already 0 ━━
+        raise NotImplementedError("Task 1: count - 1, at 0 append the block to the free list's end (hash kept); raise RuntimeError if its count is already 0")
+        # ━━ end of Task 1 ━━
+
+
+# ====================================================================================== Task 2: prefix sharing
+
+
+def block_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
+    """sha256(parent hash ‖ the block's token ids as int64): the key of a full block in the prefix cache.
+
+    ``parent`` is the previous block's hash (``None`` for a sequence's first block), which makes the
+    key identify the whole prefix up to and including this block.
+    """
+    # ━━ Task 2 — your code: return the 32-byte sha256 digest of the parent's hash (a fixed root for None) and the tokens as int64 ━━
+    raise NotImplementedError("Task 2: return the 32-byte sha256 digest of the parent's hash (a fixed root for None) and the tokens as int64")
+    # ━━ end of Task 2 ━━
+
+
+def cached_prefix(pool: BlockPool, tokens: Sequence[int], block_size: int) -> tuple[list[int], list[bytes]]:
+    """A new prompt's longest run of whole blocks already in the prefix cache, from its first block.
+
+    Block i (tokens i·block_size ... (i+1)·block_size - 1) is looked up under its chained hash with
+    ``pool.lookup`` (which takes a reference on a hit); the walk stops at the first miss, and never
+    includes the block holding the prompt's last token: that token must be computed, its logits give
+    the first new token. Returns (the blocks found, their chained hashes), in order.
+    """
+    # ━━ Task 2 — your code: return (blocks, hashes): the prompt's whole blocks found by pool.lookup in order, up to the first miss, never the last token's block ━━
+    raise NotImplementedError("Task 2: return (blocks, hashes): the prompt's whole blocks found by pool.lookup in order, up to the first miss, never the last token's block")
+    # ━━ end of Task 2 ━━
+
+
+def register_full_blocks(
+    pool: BlockPool,
+    tokens: Sequence[int],
+    blocks: Sequence[int],
+    hashes: Sequence[bytes],
+    num_computed: int,
+    block_size: int,
+) -> list[bytes]:
+    """After a step: the chained hashes of the sequence's blocks that have just become full, each registered.
+
+    ``hashes`` holds the hashes of the blocks already full before (blocks 0 ... len(hashes) - 1);
+    now ``num_computed`` tokens are computed, so blocks len(hashes) ... num_computed // block_size - 1
+    are full too. Each gets ``block_hash(previous block's hash, its tokens)`` and
+    ``pool.register(block, key)``. Returns the new hashes, in order (the caller appends them).
+    """
+    # ━━ Task 2 — your code: return the chained hashes of blocks len(hashes) .. num_computed // block_size - 1, each registered with pool.register ━━
+    raise NotImplementedError('Task 2: return the chained hashes of blocks len(hashes) .. num_computed // block_size - 1, each registered with pool.register')
+    # ━━ end of Task 2 ━━
+
+
+# ====================================================================================== Task 3: block tables
+
+
+def slot_mapping(block_tables: Sequence[Sequence[int]], positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Slot of each (sequence, position): ``block_tables[s][p // block_size] · block_size + p % block_size``.
+
+    ``positions`` is [batch, t]; the result has its shape and indexes the pool viewed as
+    [num_blocks · block_size, ...].
+    """
+    # ━━ Task 3 — your code: return a tensor shaped like positions: table[p // block_size] * block_size + p % block_size for each sequence ━━
+    raise NotImplementedError('Task 3: return a tensor shaped like positions: table[p // block_size] * block_size + p % block_size for each sequence')
+    # ━━ end of Task 3 ━━
+
+
+def grow_table(
+    pool: BlockPool,
+    blocks: list[int],
+    num_computed: int,
+    n_tokens: int,
+    block_size: int,
+    stores: Sequence[torch.Tensor],
+) -> bool:
+    """Make a sequence's block table ``blocks`` (changed in place) hold ``n_tokens`` tokens.
+
+    First, copy-on-write: the next token (position ``num_computed``) goes into block
+    ``num_computed // block_size``; if the table has that block and another table shares it (count
+    > 1), the writer takes a private copy — a block from ``pool.allocate()``, into which every
+    store in ``stores`` (each layer's K and V pool, [num_blocks, block_size, heads, dim]) copies the
+    shared block's contents — releases its reference to the shared block, and puts the copy in its
+    table. A block only this table holds (count 1) is written in place, and full blocks before it
+    stay shared. Then new blocks from ``pool.allocate()`` are appended until
+    len(blocks) · block_size ≥ n_tokens (no more). Returns True when it made a copy.
+    """
+    # ━━ Task 3 — your code: copy-on-write of a shared block that takes the next token (copy its contents, release it, replace the entry), then append blocks until they hold n_tokens; return True if it copied ━━
+    raise NotImplementedError('Task 3: copy-on-write of a shared block that takes the next token (copy its contents, release it, replace the entry), then append blocks until they hold n_tokens; return True if it copied')
+    # ━━ end of Task 3 ━━
+
+
+# ====================================================================================== Task 4: the paged read
+
+
+def gather_blocks(store: torch.Tensor, block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
+    """The paged read: sequence s's K (or V) as [batch, heads, n, dim], from its blocks in table order.
+
+    ``store`` is the pool of one layer, [num_blocks, block_size, heads, dim]. Tables are padded with
+    block 0 to the longest, so n = longest table · block_size; column j of row s is position j of
+    sequence s, and the padding columns are hidden by the causal mask (their positions are past every
+    query). The padding reads real, finite numbers (the pool starts at zero), so a masked weight of 0
+    times them stays 0.
+    """
+    # ━━ Task 4 — your code: return [batch, heads, longest table * block_size, dim]: each row its table's blocks in order, padded with block 0 ━━
+    raise NotImplementedError("Task 4: return [batch, heads, longest table * block_size, dim]: each row its table's blocks in order, padded with block 0")
+    # ━━ end of Task 4 ━━
+
+
+# ====================================================================================== given: the cache
+# Everything below is given: it calls your BlockPool (Task 1), cached_prefix and register_full_blocks
+# (Task 2), slot_mapping and grow_table (Task 3), and gather_blocks (Task 4).
+
 
 class _Sequence:
     def __init__(self, tokens: list[int]):
         self.tokens = tokens
         self.blocks: list[int] = []  # the block table
-        self.hashes: list[bytes] = []  # chained hashes of the full, computed blocks
+        self.hashes: list[bytes] = []  # chained hashes of the full, computed blocks (with prefix caching)
         self.num_computed = 0  # tokens whose K/V are in the cache
 
 
@@ -150,7 +268,10 @@ class PagedCache:
         if not seq.tokens:
             raise ValueError("a sequence needs at least one token (its prompt)")
         if self.prefix_caching:
-            raise NotImplementedError('Task 2: reuse the cached blocks of the prompt')
+            seq.blocks, seq.hashes = cached_prefix(self.pool, seq.tokens, self.block_size)
+            seq.num_computed = len(seq.blocks) * self.block_size
+            self.queried_tokens += len(seq.tokens)
+            self.hit_tokens += seq.num_computed
         sid = self._next_id
         self._next_id += 1
         self.seqs[sid] = seq
@@ -222,7 +343,9 @@ class PagedCache:
         self._reserve(self.seqs[sid], n_tokens)
 
     def _reserve(self, seq: _Sequence, n_tokens: int) -> None:
-        raise NotImplementedError('Task 3: grow the block table, copy-on-write')
+        stores = [x for pair in self._layers.values() for x in pair]
+        if grow_table(self.pool, seq.blocks, seq.num_computed, n_tokens, self.block_size, stores):
+            self.cow_copies += 1
 
     def layer(self, i: int) -> LayerView:
         return LayerView(self, i)
@@ -242,16 +365,13 @@ class PagedCache:
 
     def end_step(self) -> None:
         t = self._step[0]
-        bs = self.block_size
         for sid in self.batch:
             seq = self.seqs[sid]
             seq.num_computed += t
-            while len(seq.hashes) < seq.num_computed // bs:  # blocks that just became full
-                i = len(seq.hashes)
-                key = block_hash(seq.hashes[-1] if seq.hashes else None, seq.tokens[i * bs : (i + 1) * bs])
-                seq.hashes.append(key)
-                if self.prefix_caching:
-                    raise NotImplementedError('Task 2: register the block that just became full')
+            if self.prefix_caching:  # blocks that just became full: hashed and registered
+                seq.hashes += register_full_blocks(
+                    self.pool, seq.tokens, seq.blocks, seq.hashes, seq.num_computed, self.block_size
+                )
         self._step = None
 
     # ---------------------------------------------------------------- swapping (preemption by swap)

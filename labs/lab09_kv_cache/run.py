@@ -1,6 +1,6 @@
 """Lab 09 entry point: serve a request stream from your paged KV cache, one engine replica per rank.
 
-    accelerate launch --config_file labs/accelerate/cpu.yaml --num_processes 2 labs/lab09_kv_cache/run.py
+    .venv/bin/accelerate launch --config_file labs/accelerate/cpu.yaml --num_processes 2 labs/lab09_kv_cache/run.py
 
 Serving scales out by replicas before it splits a model: every rank builds the same course model
 (seeded) and an engine over *your* ``PagedCache``, and serves its share of one request stream

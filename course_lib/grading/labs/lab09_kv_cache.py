@@ -1,19 +1,27 @@
 """Grader of lab 09: a paged KV cache — block pool, prefix sharing, block tables, the paged read.
 
-Graded:
+Graded, each task on its own (:func:`~._lab09_invariants.only_task` runs the learner's given
+``PagedCache`` with course_lib's code for the other tasks, so a mistake costs its own task's row):
 
 * Task 1, the pool: allocation hands out free blocks and raises NoFreeBlocks when none is left,
-  release refuses a block that is already free, the least recently freed cached block is evicted
-  first, and only blocks at count 0 ever are; a hit on a free cached block revives it;
-* Task 2, prefix sharing: the chained hash (32 bytes of sha256, a function of the whole prefix), a
-  shared prompt prefix allocated once and found again after its sequences are freed;
+  a double release raises RuntimeError (the type the lab states), the least recently freed cached
+  block is evicted first, and only blocks at count 0 ever are; a hit on a free cached block revives
+  it; and over a seeded random run of calls, in lockstep with course_lib's pool, the invariants of
+  the ``BlockPool`` docstring after every call (counts, free list = blocks at count 0, no block both
+  free and in use, prefix map and block hashes agreeing, eviction dropping the hash);
+* Task 2, prefix sharing: the chained hash (32 bytes of sha256, a function of the whole prefix), the
+  blocks that become full registered, a shared prompt prefix allocated once and found again after
+  its sequences are freed;
 * Task 3, block tables: slots from positions, the model's greedy tokens through the learner's cache
-  equal to decoding without a cache, copy-on-write after a fork (prefix caching off, so that Task 2
-  is not needed here);
+  equal to decoding without a cache (prefix caching off: Task 2 is not needed), a table only as long
+  as its tokens need, and copy-on-write after a fork — the writer's private copy with the shared
+  block's contents, the other table and the shared block untouched, the counts moved;
 * Task 4, the paged read: ``gather_blocks`` against a loop over the table, exactly (a gather copies);
-* all of it together: a seeded random stream of admit / extend / fork / free that never breaks the
-  invariants, and the course's engine (continuous batching with preemption) serving a request stream
-  from the learner's cache with the tokens of decoding without a cache and under 4% waste.
+* Tasks 1-3 and all of it together (their ``needs`` name the tasks' own rows, so a failure there
+  blames the task that fails its row): a seeded random stream of admit / extend / fork / free that
+  never breaks the invariants, and the course's engine (continuous batching with preemption) serving
+  a request stream from the learner's cache with the tokens of decoding without a cache and under
+  4% waste.
 
 The checks take an :class:`~course_lib.grading.adapter.Adapter` with the roles of :data:`ROLES`:
 the grader passes the learner's ``paged_cache.py``; tests/test_lab_checks.py passes
@@ -27,7 +35,15 @@ from pathlib import Path
 import torch
 
 from course_lib.grading.adapter import Adapter
+from course_lib.grading.expect import raises
 from course_lib.grading.grade import Task
+from course_lib.grading.labs._lab09_invariants import (
+    check_copy_on_write,
+    check_invariants,
+    check_pool_invariants,
+    fake_step,
+    only_task,
+)
 from course_lib.inference.engine import Engine, Request
 from course_lib.inference.generate import generate
 from course_lib.model.config import get
@@ -37,53 +53,12 @@ ROLES = ("block_hash", "slot_mapping", "gather_blocks", "BlockPool", "PagedCache
 # Every check runs in the grader's own process, not on ranks: on the host, where the tiny model, the learner's
 # cache (built without a device: the CPU) and the drawn prompts give the same numbers on every machine.
 GRADER = torch.device("cpu")
+__all__ = ["ROLES", "TASKS", "adapter", "check_copy_on_write", "check_invariants", "check_pool_invariants", "fake_step"]
 
 
 def adapter(lab_dir: Path) -> Adapter:
     """The learner's pool, cache and functions, from ``paged_cache.py``."""
     return Adapter.of_file(Path(lab_dir) / "paged_cache.py", ROLES)
-
-
-def fake_step(cache, sids: list[int], t: int) -> None:
-    """Compute t more tokens of each sequence with (token id, position) standing in for K and V, and
-    check that every sequence reads back exactly its own tokens at their positions."""
-    cache.batch = list(sids)
-    positions = cache.begin_step(t)
-    rows = [cache.tokens(s)[p0 : p0 + t] for s, p0 in zip(sids, positions[:, 0].tolist())]
-    tokens = torch.tensor(rows, device=positions.device)
-    kv = torch.stack([tokens.float(), positions.float()], dim=-1)[:, None]  # [b, heads=1, t, 2]
-    k_all, v_all, _ = cache.layer(0).update(kv, kv)
-    cache.end_step()
-    for row, sid in enumerate(sids):
-        n = cache.num_computed(sid)
-        ids, at = torch.tensor(cache.tokens(sid)[:n], device=k_all.device), torch.arange(n, device=k_all.device)
-        want = torch.stack([ids.float(), at.float()], -1)
-        assert torch.equal(k_all[row, 0, :n], want) and torch.equal(v_all[row, 0, :n], want), (
-            f"sequence {sid} reads back other tokens than its own: a block was overwritten, evicted while in "
-            f"use, or shared without copy-on-write"
-        )
-
-
-def check_invariants(cache, block_hash) -> None:
-    """Counts equal the block tables' references; the free list is exactly the blocks at count 0; the
-    cached map and each block's hash agree; every full block's hash chains over its whole prefix."""
-    pool = cache.pool
-    holders = [0] * pool.num_blocks
-    for seq in cache.seqs.values():
-        for block in seq.blocks:
-            holders[block] += 1
-    assert pool.ref_count == holders, "reference counts differ from the number of block tables holding each block"
-    assert set(pool.free) == {b for b, c in enumerate(pool.ref_count) if c == 0}, (
-        "the free list must hold exactly the blocks whose count is 0"
-    )
-    for key, block in pool.cached.items():
-        assert pool.hash_of[block] == key, f"the prefix cache maps a hash to block {block}, which carries another"
-    for sid, seq in cache.seqs.items():
-        assert len(seq.blocks) * cache.block_size >= seq.num_computed, f"sequence {sid} has tokens beyond its blocks"
-        parent = None
-        for i, key in enumerate(seq.hashes):
-            parent = block_hash(parent, seq.tokens[i * cache.block_size : (i + 1) * cache.block_size])
-            assert key == parent, f"sequence {sid}: block {i}'s hash is not the chained hash of its prefix"
 
 
 def _model(max_seq_len: int = 512) -> Transformer:
@@ -109,33 +84,34 @@ def _workload(n, seed, prompt, new) -> list[Request]:
 
 def check_setup(impl: Adapter) -> None:
     module = impl.module("PagedCache")
-    for name in (*ROLES, "NoFreeBlocks"):
+    for name in (*ROLES, "NoFreeBlocks", "cached_prefix", "register_full_blocks", "grow_table"):
         assert getattr(module, name, None) is not None, f"paged_cache.py must define {name}"
 
 
 def check_pool(impl: Adapter) -> None:
+    """The pool's contract call by call: fresh blocks at count 1, NoFreeBlocks on an empty pool, a
+    double release refused with RuntimeError, LRU order of the free list, eviction of the least
+    recently freed cached block (its hash dropped, counted), a hit reviving a free block and adding a
+    reference to a block in use, a miss None, and never a block in use evicted."""
     pool = impl["BlockPool"](3, 2)
+    no_free = impl.module("BlockPool").NoFreeBlocks
     blocks = [pool.allocate() for _ in range(3)]
     assert sorted(blocks) == [0, 1, 2] and pool.ref_count == [1, 1, 1], (
         f"three allocations from a pool of 3 must give blocks 0, 1, 2 at count 1; got {blocks}, counts {pool.ref_count}"
     )
-    try:
-        pool.allocate()
-    except RuntimeError as err:
-        assert type(err).__name__ == "NoFreeBlocks", f"an empty pool must raise NoFreeBlocks, raised {err!r}"
-    else:
-        raise AssertionError("allocate() on a pool with no free block must raise NoFreeBlocks")
+    raises(no_free, pool.allocate, what="allocate() on a pool with no free block")
     for i, block in enumerate(blocks):
         pool.register(block, bytes([i]) * 32)
     pool.release(blocks[2])
     pool.release(blocks[0])
-    assert list(pool.free) == [blocks[2], blocks[0]], "a released block joins the free list's end (least recent first)"
-    try:
-        pool.release(blocks[0])
-    except RuntimeError:
-        pass
-    else:
-        raise AssertionError("releasing a block whose count is already 0 must raise: the blocks were freed twice")
+    assert list(pool.free) == [blocks[2], blocks[0]], (
+        f"after release({blocks[2]}) then release({blocks[0]}), the free list is {list(pool.free)}: a block whose "
+        f"count reaches 0 joins the free list's end (least recently freed first): {[blocks[2], blocks[0]]}"
+    )
+    raises(RuntimeError, pool.release, blocks[0], what="releasing a block whose count is already 0 (a double release)")
+    assert pool.ref_count[blocks[0]] == 0 and list(pool.free) == [blocks[2], blocks[0]], (
+        "a refused double release must leave the pool as it was (count 0, the free list unchanged)"
+    )
     assert pool.allocate() == blocks[2], "allocate() must take the least recently freed block"
     assert bytes([2]) * 32 not in pool.cached and pool.evictions == 1, (
         "taking a free block that holds a cached prefix evicts it: drop its hash from `cached` and count it"
@@ -143,14 +119,14 @@ def check_pool(impl: Adapter) -> None:
     assert pool.lookup(bytes([0]) * 32) == blocks[0] and blocks[0] not in pool.free, (
         "a hit on a free cached block takes it out of the free list (it is in use again) with count 1"
     )
+    assert pool.lookup(bytes([1]) * 32) == blocks[1] and pool.ref_count[blocks[1]] == 2, (
+        f"a hit on a block in use (count 1) adds a reference: count 2, got {pool.ref_count[blocks[1]]}"
+    )
     assert pool.lookup(b"unknown" * 4) is None, "a miss returns None"
-    assert pool.ref_count == [1, 1, 1]
-    try:
-        pool.allocate()
-    except RuntimeError:
-        pass
-    else:
-        raise AssertionError("eviction must never take a block in use: every block has count 1 here")
+    assert pool.ref_count == [c + (b == blocks[1]) for b, c in enumerate([1, 1, 1])], (
+        f"counts {pool.ref_count}: allocate sets 1, a hit adds 1"
+    )
+    raises(no_free, pool.allocate, what="allocate() when every block is in use (eviction takes only blocks at count 0)")
 
 
 def check_hash(impl: Adapter) -> None:
@@ -167,29 +143,49 @@ def check_hash(impl: Adapter) -> None:
 
 
 def check_prefix_sharing(impl: Adapter) -> None:
-    cache = impl["PagedCache"](16, 4)
-    prefix = list(range(10))  # two full blocks and two tokens
-    a = cache.add_sequence(prefix + [20, 21])
-    fake_step(cache, [a], 12)
-    b = cache.add_sequence(prefix + [30, 31, 32])
-    assert cache.num_computed(b) == 8 and cache.block_table(b)[:2] == cache.block_table(a)[:2], (
-        f"a second prompt sharing 10 tokens (2 full blocks of 4) must reuse both blocks: computed "
-        f"{cache.num_computed(b)}, tables {cache.block_table(a)} and {cache.block_table(b)}"
-    )
-    fake_step(cache, [b], 5)
-    check_invariants(cache, impl["block_hash"])
-    assert cache.hit_tokens == 8 and cache.prefix_hit_rate() == 8 / 25
-    cache.free_sequence(a)
-    cache.free_sequence(b)
-    c = cache.add_sequence(prefix + [40])
-    assert cache.num_computed(c) == 8, "freed blocks keep their contents and hash: the prefix must hit again"
-    full = cache.add_sequence(list(range(8)))
-    assert cache.num_computed(full) == 4, (
-        "a prompt of exactly 2 cached blocks reuses only the first: its last token must be computed for its logits"
-    )
+    """The learner's block_hash, cached_prefix and register_full_blocks (course_lib's pool, tables and
+    read): the blocks that became full are registered under their chained hashes, a second prompt
+    reuses a shared prefix's full blocks, freed blocks are hit again, and a fully cached prompt still
+    computes its last token."""
+    block_hash = impl["block_hash"]
+    with only_task(impl, 2) as make:
+        cache = make(16, 4)
+        prefix = list(range(10))  # two full blocks and two tokens
+        a = cache.add_sequence(prefix + [20, 21])
+        fake_step(cache, [a], 10)
+        table, keys = cache.block_table(a), [block_hash(None, prefix[:4])]
+        keys.append(block_hash(keys[0], prefix[4:8]))
+        registered = {cache.pool.cached.get(k) for k in keys}
+        assert registered == set(table[:2]) and len(cache.pool.cached) == 2, (
+            f"after 10 tokens in blocks of 4, blocks {table[:2]} are full and must be registered under their "
+            f"chained hashes (block_hash(previous hash, tokens)), and only they: the prefix map sends those hashes "
+            f"to {[cache.pool.cached.get(k) for k in keys]} and holds {len(cache.pool.cached)} hashes"
+        )
+        fake_step(cache, [a], 2)
+        b = cache.add_sequence(prefix + [30, 31, 32])
+        assert cache.num_computed(b) == 8 and cache.block_table(b)[:2] == cache.block_table(a)[:2], (
+            f"a second prompt sharing 10 tokens (2 full blocks of 4) must reuse both blocks: computed "
+            f"{cache.num_computed(b)}, tables {cache.block_table(a)} and {cache.block_table(b)}"
+        )
+        fake_step(cache, [b], 5)
+        check_invariants(cache, block_hash)
+        assert cache.hit_tokens == 8 and cache.prefix_hit_rate() == 8 / 25, (
+            f"cached_prefix found {cache.hit_tokens} of 25 prompt tokens; 8 expected"
+        )
+        cache.free_sequence(a)
+        cache.free_sequence(b)
+        c = cache.add_sequence(prefix + [40])
+        assert cache.num_computed(c) == 8, "freed blocks keep their contents and hash: the prefix must hit again"
+        full = cache.add_sequence(list(range(8)))
+        assert cache.num_computed(full) == 4, (
+            "a prompt of exactly 2 cached blocks reuses only the first: its last token must be computed for its logits"
+        )
 
 
 def check_block_table(impl: Adapter) -> None:
+    """The learner's slot_mapping, then the model's greedy tokens through a cache whose tables the
+    learner's grow_table builds (course_lib's pool and read, no prefix caching): equal to decoding
+    without a cache, for prompts of 1, 8 (one full block) and 13 tokens."""
     slot_mapping = impl["slot_mapping"]
     positions = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]], device=GRADER)
     got = slot_mapping([[7, 2], [3, 0, 5]], positions, 4)
@@ -197,35 +193,24 @@ def check_block_table(impl: Adapter) -> None:
     assert torch.equal(got, want), (
         f"slot = table[p // block_size] * block_size + p % block_size: want {want}, got {got}"
     )
-    # the model through the learner's cache (no prefix caching: this task needs only Tasks 1 and 3)
     model = _model(128)
-    cache = impl["PagedCache"](64, 8, prefix_caching=False)
     g = torch.Generator(device=GRADER).manual_seed(0)
-    for length in (1, 8, 13):
-        prompt = torch.randint(0, 60, (length,), generator=g, device=GRADER)
-        want = generate(model, prompt, 20)[length:].tolist()
-        sid = cache.add_sequence(prompt.tolist())
-        cache.batch = [sid]
-        out = []
-        with torch.no_grad():
-            logits = model(prompt[None], cache=cache)[:, -1]
-            for _ in range(20):
-                out.append(int(logits.argmax()))
-                cache.append_token(sid, out[-1])
-                logits = model(torch.tensor([[out[-1]]], device=GRADER), cache=cache)[:, -1]
-        assert out == want, f"prompt of {length}: greedy tokens through your cache differ from decoding without one"
-        cache.free_sequence(sid)
-    # copy-on-write: fork after a 10-token prompt (blocks of 8: the second block is shared, partly full)
-    cache = impl["PagedCache"](16, 8, prefix_caching=False)  # fresh: fake_step stores [1 head, 2] per token
-    parent = cache.add_sequence(list(range(10)))
-    fake_step(cache, [parent], 10)
-    child = cache.fork(parent)
-    cache.append_token(parent, 5)
-    cache.append_token(child, 50)
-    fake_step(cache, [parent, child], 1)  # reads back each sequence: fails if one wrote into the other's block
-    assert cache.block_table(parent)[0] == cache.block_table(child)[0], "the full first block stays shared"
-    assert cache.block_table(parent)[1] != cache.block_table(child)[1], "the written block must be copied first"
-    check_invariants(cache, impl["block_hash"])
+    with only_task(impl, 3) as make:
+        cache = make(64, 8, prefix_caching=False)
+        for length in (1, 8, 13):
+            prompt = torch.randint(0, 60, (length,), generator=g, device=GRADER)
+            want = generate(model, prompt, 20)[length:].tolist()
+            sid = cache.add_sequence(prompt.tolist())
+            cache.batch = [sid]
+            out = []
+            with torch.no_grad():
+                logits = model(prompt[None], cache=cache)[:, -1]
+                for _ in range(20):
+                    out.append(int(logits.argmax()))
+                    cache.append_token(sid, out[-1])
+                    logits = model(torch.tensor([[out[-1]]], device=GRADER), cache=cache)[:, -1]
+            assert out == want, f"prompt of {length}: greedy tokens through your cache differ from decoding without one"
+            cache.free_sequence(sid)
 
 
 def check_paged_read(impl: Adapter) -> None:
@@ -290,13 +275,27 @@ def check_engine(impl: Adapter) -> None:
     )
 
 
+TASKS_1_TO_3 = (check_pool, check_pool_invariants, check_hash, check_prefix_sharing, check_block_table)
 TASKS = [
     Task("paged_cache.py imports and defines the classes and functions", 1, check_setup, setup=True),
     Task("Task 1: allocate, release, LRU eviction of free cached blocks, hits", 3, check_pool),
+    Task("Task 1: the pool's invariants after every call of a random run", 2, check_pool_invariants),
     Task("Task 2: the chained sha256 block hash", 1, check_hash),
-    Task("Task 2: a shared prefix allocated once, found again after it is freed", 2, check_prefix_sharing),
-    Task("Task 3: slots, tokens through your cache == no cache, copy-on-write", 3, check_block_table, timeout=120),
+    Task("Task 2: full blocks registered, a shared prefix allocated once and found again", 2, check_prefix_sharing),
+    Task("Task 3: slots; tokens through your cache == no cache", 2, check_block_table, timeout=120),
+    Task("Task 3: tables grow as needed; copy-on-write after a fork", 2, check_copy_on_write),
     Task("Task 4: the paged read", 2, check_paged_read),
-    Task("Tasks 1-3: a random admit/extend/fork/free stream keeps every invariant", 2, check_random_stream),
-    Task("All: the engine on your cache, tokens == no cache, waste < 4%", 2, check_engine, timeout=240),
+    Task(
+        "Tasks 1-3: a random admit/extend/fork/free stream keeps every invariant",
+        2,
+        check_random_stream,
+        needs=(*TASKS_1_TO_3, check_copy_on_write, check_paged_read),
+    ),
+    Task(
+        "All: the engine on your cache, tokens == no cache, waste < 4%",
+        2,
+        check_engine,
+        timeout=240,
+        needs=(*TASKS_1_TO_3, check_copy_on_write, check_paged_read),
+    ),
 ]
