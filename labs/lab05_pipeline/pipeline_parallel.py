@@ -33,6 +33,11 @@ Source: D. Narayanan et al., *Efficient Large-Scale Language Model Training on G
 Megatron-LM*, SC21, §2.2 (2.2.1: 1F1B, the PipeDream-Flush schedule; 2.2.2: the interleaved one).
 """
 
+# Your code goes in the fenced "Task N — your code" regions of this file:
+#   line 62: Task 1: return this rank's 1F1B order, a list of Action(F or B, microbatch, rank): min(p - rank - 1, m) forwards, then one forward and one backward in turn, then the backwards left
+#   line 87: Task 2: return a tuple: compute's actions in their order, each with its RECV_F / RECV_B right before it and its SEND_F / SEND_B right after it where the neighbouring stage is on another rank
+#   line 110: Task 3: return this rank's interleaved order, a list of m·v forwards and m·v backwards Action(F or B, microbatch, chunk·p + rank): warm-up, one forward and one backward in turn, cool-down
+
 from course_lib.parallel.pipeline.schedules import RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, Schedule
 
 # ------------------------------------------------------------------------------ Task 1
@@ -54,7 +59,9 @@ def one_f_one_b(p: int, m: int, rank: int) -> list[Action]:
     all B) holds m. The bubble is the same: (p - 1)/(m + p - 1) of the step.
     Return only F and B actions (``Action(F, i, rank)``, ``Action(B, i, rank)``): messages are Task 2.
     """
-    raise NotImplementedError('Task 1: the 1F1B compute order (warm-up, steady one forward one backward, cool-down)')
+    # ━━ Task 1 — your code: return this rank's 1F1B order, a list of Action(F or B, microbatch, rank): min(p - rank - 1, m) forwards, then one forward and one backward in turn, then the backwards left ━━
+    raise NotImplementedError("Task 1: return this rank's 1F1B order, a list of Action(F or B, microbatch, rank): min(p - rank - 1, m) forwards, then one forward and one backward in turn, then the backwards left")
+    # ━━ end of Task 1 ━━
 
 
 # ------------------------------------------------------------------------------ Task 2
@@ -77,7 +84,9 @@ def with_messages(compute: list[Action], placement: tuple[int, ...]) -> tuple[Ac
     earlier, the rank waits for a tensor it does not need yet; a send placed later keeps a
     neighbour waiting. Either can stretch the bubble, or deadlock the pipeline.
     """
-    raise NotImplementedError('Task 2: insert RECV_F/RECV_B before and SEND_F/SEND_B after each compute action')
+    # ━━ Task 2 — your code: return a tuple: compute's actions in their order, each with its RECV_F / RECV_B right before it and its SEND_F / SEND_B right after it where the neighbouring stage is on another rank ━━
+    raise NotImplementedError("Task 2: return a tuple: compute's actions in their order, each with its RECV_F / RECV_B right before it and its SEND_F / SEND_B right after it where the neighbouring stage is on another rank")
+    # ━━ end of Task 2 ━━
 
 
 # --------------------------------------------------------------- Task 3 (extra credit): interleaved
@@ -98,7 +107,9 @@ def interleaved(p: int, m: int, v: int, rank: int) -> list[Action]:
     then the k-th backward after the (w + k)-th forward, then the backwards left.
     Each chunk is 1/v of a stage's work, so the bubble shrinks to (p - 1)/(v·m + p - 1).
     """
-    raise NotImplementedError("Task 3: Megatron's interleaved 1F1B order over v chunks per rank")
+    # ━━ Task 3 — your code: return this rank's interleaved order, a list of m·v forwards and m·v backwards Action(F or B, microbatch, chunk·p + rank): warm-up, one forward and one backward in turn, cool-down ━━
+    raise NotImplementedError("Task 3: return this rank's interleaved order, a list of m·v forwards and m·v backwards Action(F or B, microbatch, chunk·p + rank): warm-up, one forward and one backward in turn, cool-down")
+    # ━━ end of Task 3 ━━
 
 
 # ------------------------------------------------------------------------------ given

@@ -54,7 +54,7 @@ def one_f_one_b(p: int, m: int, rank: int) -> list[Action]:
     all B) holds m. The bubble is the same: (p - 1)/(m + p - 1) of the step.
     Return only F and B actions (``Action(F, i, rank)``, ``Action(B, i, rank)``): messages are Task 2.
     """
-    # BEGIN SOLUTION Task 1: the 1F1B compute order (warm-up, steady one forward one backward, cool-down)
+    # BEGIN SOLUTION Task 1: return this rank's 1F1B order, a list of Action(F or B, microbatch, rank): min(p - rank - 1, m) forwards, then one forward and one backward in turn, then the backwards left
     warmup = min(p - rank - 1, m)
     order = [Action(F, i, rank) for i in range(warmup)]
     for i in range(m - warmup):
@@ -83,7 +83,7 @@ def with_messages(compute: list[Action], placement: tuple[int, ...]) -> tuple[Ac
     earlier, the rank waits for a tensor it does not need yet; a send placed later keeps a
     neighbour waiting. Either can stretch the bubble, or deadlock the pipeline.
     """
-    # BEGIN SOLUTION Task 2: insert RECV_F/RECV_B before and SEND_F/SEND_B after each compute action
+    # BEGIN SOLUTION Task 2: return a tuple: compute's actions in their order, each with its RECV_F / RECV_B right before it and its SEND_F / SEND_B right after it where the neighbouring stage is on another rank
     n = len(placement)
     rank = placement[compute[0].stage] if compute else None
     out = []
@@ -122,7 +122,7 @@ def interleaved(p: int, m: int, v: int, rank: int) -> list[Action]:
     then the k-th backward after the (w + k)-th forward, then the backwards left.
     Each chunk is 1/v of a stage's work, so the bubble shrinks to (p - 1)/(v·m + p - 1).
     """
-    # BEGIN SOLUTION Task 3: Megatron's interleaved 1F1B order over v chunks per rank
+    # BEGIN SOLUTION Task 3: return this rank's interleaved order, a list of m·v forwards and m·v backwards Action(F or B, microbatch, chunk·p + rank): warm-up, one forward and one backward in turn, cool-down
     total = m * v
 
     def microbatch(k: int) -> int:

@@ -1,8 +1,8 @@
 """Lab 05 entry point: your pipeline schedule on paper, then the course model trained with it beside the unpipelined model.
 
-    accelerate launch --config_file labs/accelerate/pipeline_cpu.yaml labs/lab05_pipeline/run.py
-    accelerate launch --config_file labs/accelerate/pipeline_cpu.yaml labs/lab05_pipeline/run.py --v 2
-    accelerate launch --config_file labs/accelerate/cpu.yaml labs/lab05_pipeline/run.py          # p = 4
+    .venv/bin/accelerate launch --config_file labs/accelerate/pipeline_cpu.yaml labs/lab05_pipeline/run.py
+    .venv/bin/accelerate launch --config_file labs/accelerate/pipeline_cpu.yaml labs/lab05_pipeline/run.py --v 2
+    .venv/bin/accelerate launch --config_file labs/accelerate/cpu.yaml labs/lab05_pipeline/run.py          # p = 4
 
 The pipeline has as many ranks as were launched, p; ``--v 2`` runs your interleaved 1F1B (Task 3).
 

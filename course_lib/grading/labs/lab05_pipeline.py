@@ -9,17 +9,19 @@ Graded, for p = 1 ... 8 ranks and several m micro-batches per step:
 * the simulated bubble equals ``cost.pipeline.bubble_fraction``, (p - 1)/(v·m + p - 1), and the
   activations each rank holds at once equal ``cost.pipeline.in_flight_microbatches``;
 * each message sits right next to the compute action that produces or consumes its tensor;
-* one training step of the course model on 2 ranks, run by course_lib's runtime from the
-  learner's lists, gives the non-pipelined model's losses and gradients bit for bit, and sends
-  ``cost.pipeline.p2p_bytes_per_step``. Bit-equality is fair: each micro-batch runs the same ops on
-  the same tensors, and each stage adds its m gradients in micro-batch order, as the reference's m
-  backward passes do.
+* one training step of the course model on 2 and 3 ranks (1F1B) and on 2 ranks (interleaved), run
+  by course_lib's runtime from the learner's lists (_lab05_step.py), gives the non-pipelined
+  model's losses and gradients bit for bit, and sends ``cost.pipeline.p2p_bytes_per_step``.
 
 Each task isolates one function: the compute orders (Tasks 1 and 3) are checked with course_lib's
 message pairing (``schedules.with_messages``, what ``build`` uses), the pairing (Task 2) on
-course_lib's compute orders (``build(name, p, m, v).compute(rank)``); the runtime checks run both
-of the learner's together. The simulator's costs are whole numbers (F = 1, B = 2 time units per
-stage or chunk — the bubble fraction does not depend on the unit), so its times are exact.
+course_lib's compute orders (``build(name, p, m, v).compute(rank)``). The runtime checks run both
+of the learner's together and declare the other task's rows in ``needs`` (the 1F1B step needs
+Task 1's, the interleaved step Task 2's), so that a mistake there is blamed on its own task; before
+any rank starts, they play the learner's order (paired by course_lib), then check the learner's
+messages, on paper, so a list the runtime could not walk fails with what is wrong in it. The
+simulator's costs are whole numbers (F = 1, B = 2 time units per stage or chunk — the bubble
+fraction does not depend on the unit), so its times are exact.
 
 The checks take an :class:`~course_lib.grading.adapter.Adapter` with the roles of :data:`ROLES`: the
 grader passes the learner's ``pipeline_parallel.py``, tests/test_lab_checks.py passes course_lib's
@@ -29,16 +31,11 @@ own compute orders and pairing (course_lib.parallel.pipeline.schedules).
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
-from course_lib.cost.pipeline import bubble_fraction, in_flight_microbatches, p2p_bytes_per_step
-from course_lib.dist import counter, device, launch
+from course_lib.cost.pipeline import bubble_fraction, in_flight_microbatches
+from course_lib.dist import launch
 from course_lib.grading.adapter import Adapter
 from course_lib.grading.grade import Task
-from course_lib.model import config as configs
-from course_lib.model.transformer import Transformer, next_token_loss
-from course_lib.parallel.pipeline import runtime, stages
+from course_lib.grading.labs._lab05_step import _assert_step, _step, _what
 from course_lib.parallel.pipeline.schedules import (
     RECV_B,
     RECV_F,
@@ -77,9 +74,10 @@ MESSAGE_CASES = [
     *(("1f1b", p, m, v) for p, m, v in ONE_F_ONE_B_CASES),
     *(("interleaved", p, m, 2) for p in PS for m in (p, 2 * p)),
 ]
-STEP_P = 2  # ranks of the runtime checks
-STEP_M = {1: (3, 4), 2: (2, 4)}  # micro-batches per step, by chunks per rank v (interleaved: multiples of p)
-BATCH, SEQ = 2, 16  # one micro-batch: 2 sequences of 16 tokens
+# (p ranks, m micro-batches) of the runtime checks, by chunks per rank v. 1F1B at p = 3 too: a rank in the middle,
+# with a neighbour on each side, warm-ups of 0, 1 and 2 forwards, and m < p (one launch of 3 ranks, ~2 s on 2 cores).
+# Interleaved: m a multiple of p.
+STEP_CASES = {1: ((2, 3), (2, 4), (3, 2), (3, 4)), 2: ((2, 2), (2, 4))}
 
 
 # --------------------------------------------------------------- lists from the learner's functions
@@ -87,10 +85,6 @@ BATCH, SEQ = 2, 16  # one micro-batch: 2 sequences of 16 tokens
 
 def _placement(p: int, v: int) -> tuple[int, ...]:
     return tuple(s % p for s in range(p * v))
-
-
-def _what(p: int, m: int, v: int) -> str:
-    return f"1F1B at p={p}, m={m}" if v == 1 else f"interleaved at p={p}, m={m}, v={v}"
 
 
 def _compute_order(impl: Adapter, p: int, m: int, v: int, rank: int) -> list[Action]:
@@ -242,103 +236,29 @@ def _check_in_flight(impl: Adapter, cases, rule: str) -> None:
         )
 
 
-# ----------------------------------------------------- one step on 2 ranks, by course_lib's runtime
+# ------------------------------------------- one step on 2 and 3 ranks, by course_lib's runtime (_lab05_step.py)
 
 
-def _param_name(stage, local: str) -> str:
-    """The name in the whole model of a stage's parameter (its blocks are numbered from 0)."""
-    parts = local.split(".")
-    if parts[0] == "layers":
-        parts[1] = str(stage.blocks[int(parts[1])])
-    return ".".join(parts)
-
-
-def _step(schedules: list[Schedule], seed: int = 0) -> list[dict]:
-    """On each rank: one step of each schedule by course_lib's runtime, and the non-pipelined model's."""
-    results = []
-    for schedule in schedules:
-        cfg = configs.get("tiny", n_layers=schedule.n_stages)  # one transformer block per stage
-        torch.manual_seed(seed)
-        reference = Transformer(cfg).to(device())  # initialised on the host: the same weights everywhere
-        parts = stages.split(reference, schedule.n_stages)  # every rank builds all; keeps its own
-        mine = {s: parts[s] for s in schedule.stages_of(dist.get_rank())}
-        g = torch.Generator().manual_seed(seed + 1)  # host: the same tokens on every machine
-        tokens = torch.randint(0, cfg.vocab_size, (schedule.m, BATCH, SEQ + 1), generator=g)  # host: drawn with g
-        tokens = tokens.to(device())
-        xs, ys = tokens[:, :, :-1], tokens[:, :, 1:]
-        with counter.count() as c:
-            result = runtime.run_step(schedule, mine, xs, ys, next_token_loss, (BATCH, SEQ, cfg.d_model))
-        ref_losses = {}
-        for i in range(schedule.m):  # the whole model on the same micro-batches: the mean loss of the step
-            loss = reference.loss(xs[i], ys[i])
-            ref_losses[i] = loss.item()
-            (loss / schedule.m).backward()
-        ref = dict(reference.named_parameters())
-        differ = []
-        for s, stage in mine.items():
-            for local, param in stage.named_parameters():
-                want = ref[_param_name(stage, local)].grad
-                if param.grad is None:
-                    differ.append((f"stage {s}'s {local}", "has no gradient"))
-                elif not torch.equal(param.grad, want):
-                    gap = (param.grad - want).abs().max().item()
-                    differ.append((f"stage {s}'s {local}", f"differs from the non-pipelined model's by {gap:.3g}"))
-        results.append(
-            {
-                "losses": result.losses,
-                "ref_losses": ref_losses,
-                "differ": differ,
-                "peak": result.peak_in_flight,
-                "sent": c.bytes("isend"),
-                "hidden_bytes": BATCH * SEQ * cfg.d_model * 4,  # one micro-batch's fp32 hidden state
-            }
-        )
-    return results
+def _step_schedule(impl: Adapter, p: int, m: int, v: int) -> Schedule:
+    """The learner's order with the learner's messages, checked on paper first: a list the runtime
+    cannot walk fails here with what is wrong in it, not as hanging ranks."""
+    what = _what(p, m, v)
+    _play(_paired_by_course_lib(impl, p, m, v), what, _hint(v))  # the order alone (Task 1 or 3)
+    orders = [_compute_order(impl, p, m, v, r) for r in range(p)]
+    schedule = _schedule(orders, p, m, v, lambda c, pl: _with_learners_messages(impl, c, pl))
+    for r in range(p):  # the messages alone (Task 2's rule)
+        _assert_adjacent(what, orders[r], schedule.actions[r], schedule.placement, r)
+    # both pass on their own, so together they are valid: nothing left to blame on paper
+    _play(schedule, what, "your messages around your order")
+    return schedule
 
 
 def _check_step(impl: Adapter, v: int) -> None:
-    p = STEP_P
-    schedules = []
-    for m in STEP_M[v]:
-        orders = [_compute_order(impl, p, m, v, r) for r in range(p)]
-        schedule = _schedule(orders, p, m, v, lambda c, pl: _with_learners_messages(impl, c, pl))
-        # on paper first: a list the runtime cannot walk fails here with its reason, not as hanging ranks
-        for r in range(p):
-            _assert_adjacent(_what(p, m, v), orders[r], schedule.actions[r], schedule.placement, r)
-        _play(schedule, _what(p, m, v), "fix the checks of Tasks 1 and 2 first")
-        schedules.append(schedule)
-    per_rank = launch(_step, p, schedules, timeout=90)
-    for j, schedule in enumerate(schedules):
-        m, what = schedule.m, _what(p, schedule.m, v)
-        results = [r[j] for r in per_rank]
-        last = schedule.placement[-1]
-        assert sorted(results[last]["losses"]) == list(range(m)), (
-            f"{what}: rank {last} (the last stage) computed the loss of micro-batches {sorted(results[last]['losses'])}"
-        )
-        for rank, r in enumerate(results):
-            for i, loss in r["losses"].items():
-                assert loss == r["ref_losses"][i], (
-                    f"{what}: rank {rank}'s loss of micro-batch {i} is {loss}, the non-pipelined model's "
-                    f"{r['ref_losses'][i]}: each stage's forward must read its own micro-batch's input"
-                )
-            if r["differ"]:
-                name, how = r["differ"][0]
-                raise AssertionError(
-                    f"{what}: rank {rank}: the gradient of {name} {how} ({len(r['differ'])} tensors differ): every "
-                    "micro-batch's backward must run once per stage, after its forward, in micro-batch order"
-                )
-            want = in_flight_microbatches(schedule.name, p, rank, m, v)
-            assert r["peak"] == want, (
-                f"{what}: rank {rank} held {r['peak']} micro-batches' activations at once while running, "
-                f"the formula says {want}"
-            )
-        between_ranks = sum(a != b for a, b in zip(schedule.placement, schedule.placement[1:]))
-        sent = sum(r["sent"] for r in results)
-        want = p2p_bytes_per_step(m, between_ranks, results[0]["hidden_bytes"])
-        assert sent == want, (
-            f"{what}: the ranks sent {sent} bytes in one step; each micro-batch crosses each of the "
-            f"{between_ranks} stage boundaries between ranks twice (activation forward, gradient back): {want} bytes"
-        )
+    for p in sorted({p for p, _ in STEP_CASES[v]}):
+        schedules = [_step_schedule(impl, p, m, v) for q, m in STEP_CASES[v] if q == p]
+        per_rank = launch(_step, p, schedules, timeout=90)
+        for j, schedule in enumerate(schedules):
+            _assert_step(schedule, [r[j] for r in per_rank])
 
 
 # ------------------------------------------------------------------------------------------- checks
@@ -401,12 +321,19 @@ TASKS = [
     Task("Task 1: 1F1B holds min(p - rank, m) micro-batches", 2, check_1f1b_in_flight),
     Task("Task 2: every send meets its receive, no deadlock", 2, check_messages_pair_up),
     Task("Task 2: each message right next to its compute", 1, check_messages_adjacent),
-    Task("Task 2: a 1F1B step on 2 ranks equals the unpipelined model", 3, check_1f1b_step, timeout=150),
+    Task(
+        "Task 2: a 1F1B step on 2 and 3 ranks equals the unpipelined model",
+        3,
+        check_1f1b_step,
+        timeout=150,
+        needs=(check_1f1b_valid, check_1f1b_bubble, check_1f1b_in_flight),  # your 1F1B order runs it (Task 1)
+    ),
     Task("Task 3 (extra credit): interleaved lists: valid, bubble, in flight", 2, check_interleaved_lists),
     Task(
         "Task 3 (extra credit): an interleaved step equals the unpipelined model",
         2,
         check_interleaved_step,
         timeout=150,
+        needs=(check_messages_pair_up, check_messages_adjacent),  # your messages carry it (Task 2)
     ),
 ]

@@ -261,7 +261,7 @@ def check(schedule: Schedule) -> None:
                     )
                 done = seen.setdefault(key, [])
                 if a.op != F and F not in done:
-                    raise ValueError(f"rank {rank}: {a!r} comes before the forward of micro-batch {a.microbatch}")
+                    raise ValueError(f"rank {rank}: {a!r} comes before the forward {Action(F, *key)!r}")
                 if a.op == W and I not in done:
                     raise ValueError(f"rank {rank}: {a!r} comes before its input-gradient pass I")
                 if a.op in done:
