@@ -22,7 +22,7 @@ is the course's version: write yours first.
 # Your code goes in the fenced "Task N — your code" regions of this file:
 #   line 100: Task 1: return the free list's first block at count 1, evicting its hash (cached, hash_of, evictions += 1); raise NoFreeBlocks if none is free
 #   line 109: Task 1: return the block registered under key with one more reference (out of the free list if its count was 0), or None on a miss
-#   line 119: Task 1: count - 1, at 0 append the block to the free list's end (hash kept); raise RuntimeError if its count is already 0
+#   line 119: Task 1: count - 1, at 0 append the block to the free list's end (hash kept); returns nothing; raise RuntimeError if its count is already 0
 #   line 133: Task 2: return the 32-byte sha256 digest of the parent's hash (a fixed root for None) and the tokens as int64
 #   line 146: Task 2: return (blocks, hashes): the prompt's whole blocks found by pool.lookup in order, up to the first miss, never the last token's block
 #   line 166: Task 2: return the chained hashes of blocks len(hashes) .. num_computed // block_size - 1, each registered with pool.register
@@ -116,8 +116,8 @@ class BlockPool:
         Raises ``RuntimeError`` if the block's count is already 0: the caller released it twice (the
         engine relies on that error to catch a sequence freed twice; a ``ValueError`` is not it).
         """
-        # ━━ Task 1 — your code: count - 1, at 0 append the block to the free list's end (hash kept); raise RuntimeError if its count is already 0 ━━
-        raise NotImplementedError("Task 1: count - 1, at 0 append the block to the free list's end (hash kept); raise RuntimeError if its count is already 0")
+        # ━━ Task 1 — your code: count - 1, at 0 append the block to the free list's end (hash kept); returns nothing; raise RuntimeError if its count is already 0 ━━
+        raise NotImplementedError("Task 1: count - 1, at 0 append the block to the free list's end (hash kept); returns nothing; raise RuntimeError if its count is already 0")
         # ━━ end of Task 1 ━━
 
 

@@ -122,7 +122,7 @@ class BlockPool:
         Raises ``RuntimeError`` if the block's count is already 0: the caller released it twice (the
         engine relies on that error to catch a sequence freed twice; a ``ValueError`` is not it).
         """
-        # BEGIN SOLUTION Task 1: count - 1, at 0 append the block to the free list's end (hash kept); raise RuntimeError if its count is already 0
+        # BEGIN SOLUTION Task 1: count - 1, at 0 append the block to the free list's end (hash kept); returns nothing; raise RuntimeError if its count is already 0
         if self.ref_count[block] <= 0:
             raise RuntimeError(f"block {block} released while free: a sequence's blocks were freed twice")
         self.ref_count[block] -= 1
