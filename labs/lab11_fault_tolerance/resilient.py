@@ -1,9 +1,12 @@
 """Lab 11: a training loop that survives faults, and proves it.
 
-You complete the marked functions (Tasks 1-5); everything else is given. The grader does not read
-your code: it attacks it. It SIGKILLs a rank at a random step and restarts the job, kills a save
-half-way, hands you truncated and altered shards, makes one rank's loss NaN, resumes your 2-rank
-checkpoint on 1 rank, and runs you twice in deterministic mode. See README.md for the points.
+You complete the marked functions, Tasks 1-5; everything else is given. Tasks 1-4 are graded on
+their own, each by the grader's own small loop around your functions: Task 1 (the commit) is killed
+half-way and handed truncated and altered shards, and its fsyncs and renames are recorded; Task 2
+(capture and restore) is compared, right after ``restore``, with the state it captured; Tasks 3
+and 4 are unit-checked. Task 5, the loop ``train``, puts them together, and the grader attacks it:
+it SIGKILLs a rank at a random step and restarts the job, makes one rank's loss NaN, resumes your
+2-rank checkpoint on 1 rank, and runs you twice in deterministic mode. See README.md for the points.
 
 The set-up: the tiny course model (22,688 parameters), data parallel over the ranks with AdamW and
 a warm-up + cosine schedule, on the course's synthetic language. "Token dropout" replaces 10% of
@@ -15,25 +18,28 @@ Checkpoints go through ``torch.distributed.checkpoint`` (DCP, lecture 08): ``wri
 atomicity nor integrity: that is your commit protocol (Task 1).
 """
 
+# Your code goes in the fenced "Task N — your code" regions of this file:
+#   line 166: Task 1: shards into a temp directory, MANIFEST.json fsynced, rename to step_XXXXXXXX, fsync root, keep the newest `keep`; return the final directory
+#   line 185: Task 1: compare every file with MANIFEST.json; raise CorruptCheckpointError naming the bad file, else return the manifest (a dict)
+#   line 192: Task 1: return the newest step_ directory (a Path) that passes verify_checkpoint, or None
+#   line 209: Task 2: return a DCP state dict: "model" and "optim" from get_state_dict, and under f"loop.{rank}" the pickled step, scheduler, guard and torch/Python/NumPy random states
+#   line 221: Task 2: verify, read the shards into a state dict shaped like capture's, put back the model, optimizer, scheduler, guard and RNG states; return the saved step (an int)
+#   line 246: Task 3: return False (appending the call's number to skipped) for a non-finite loss or one above factor x median(history) once min_history are known; else append the loss to history and return True; count the call either way
+#   line 265: Task 4: seed torch, random and NumPy with seed; set deterministic algorithms, cuDNN deterministic and not benchmarking, CUBLAS_WORKSPACE_CONFIG; returns None
+#   line 273: Task 4: overwrite tensor with ((x_0 + x_1) + x_2) + ... (gather, then add in rank order) on every rank; return it
+#   line 300: Task 5: resume, then loop to `steps` (guard on the mean loss, rank-order gradient average, optimizer and schedule on taken steps only, a checkpoint every save_every); return summary(...)
+
 from __future__ import annotations
 
 import itertools
-import json
-import math
-import os
-import pickle
 import random
-import shutil
-import statistics
 from collections import deque
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from course_lib import dist as cdist
 from course_lib.checkpoint.commit import fsync_dir  # given: fsync a directory, so a rename in it is durable
@@ -109,7 +115,17 @@ def read_shards(state: dict, directory: Path) -> None:
 
 
 def summary(model, optimizer, scheduler, guard, step, losses, batches, optimizer_steps, resumed_from) -> dict:
-    """What the grader compares between runs (returned by ``train``)."""
+    """What the grader compares between runs (returned by ``train``). What ``train`` passes:
+
+    * ``step`` (int): the steps done, ``steps`` at the end;
+    * ``losses`` (dict int -> float): the mean loss over the ranks of each step this run did, keyed by
+      the step number *after* that step: 1, 2, ..., steps for a fresh run; start+1, ..., steps for a
+      run resumed at step ``start`` (a skipped step has its loss too);
+    * ``batches``: the iterator of :func:`batches_from` the loop drew from (its next batch is compared);
+    * ``optimizer_steps`` (int): the optimizer steps this run took (the skipped steps not counted);
+    * ``resumed_from`` (str or None): the *name* of the checkpoint directory this run resumed from,
+      e.g. ``"step_00000006"`` (``path.name``), or None for a fresh start.
+    """
     return {
         "step": step,
         "losses": dict(losses),
@@ -139,11 +155,17 @@ def commit_checkpoint(root, step: int, state: dict, keep: int) -> Path:
     1. write the shards into a temporary directory (a name ``latest_checkpoint`` ignores);
     2. when every rank's shard is on disk, write ``MANIFEST.json`` there: {"step": step, "files":
        {name: {"bytes": size, "sha256": hex digest}} for every other file}, fsynced;
-    3. rename the directory to its final name and fsync ``root``: the checkpoint now exists, whole;
+    3. rename the directory to its final name and fsync ``root``: the checkpoint now exists, whole.
+       A ``step_XXXXXXXX`` of this step may exist already (a run resumed from an older checkpoint
+       saves this step again): replace it, so that one of the two is committed at every moment;
     4. remove all but the newest ``keep`` committed checkpoints, and leftovers of saves that died.
     No rank may return before the checkpoint is committed. Returns the final directory.
+    (The grader records the order of your ``os.fsync`` and ``os.rename`` calls: a power cut after the
+    rename must find the manifest on disk, and the rename itself made durable by fsyncing ``root``.)
     """
-    raise NotImplementedError('Task 1: atomic commit (temp directory, manifest with checksums, rename), keep the last n')
+    # ━━ Task 1 — your code: shards into a temp directory, MANIFEST.json fsynced, rename to step_XXXXXXXX, fsync root, keep the newest `keep`; return the final directory ━━
+    raise NotImplementedError('Task 1: shards into a temp directory, MANIFEST.json fsynced, rename to step_XXXXXXXX, fsync root, keep the newest `keep`; return the final directory')
+    # ━━ end of Task 1 ━━
 
 
 def committed_checkpoints(root) -> list[Path]:
@@ -160,12 +182,16 @@ def verify_checkpoint(path) -> dict:
     Raise :class:`CorruptCheckpointError` when the manifest is missing, or a file is missing, has
     another size (truncated, appended) or another sha256 (altered). The message must name the file.
     """
-    raise NotImplementedError('Task 1: verify a checkpoint against its manifest, naming the bad file')
+    # ━━ Task 1 — your code: compare every file with MANIFEST.json; raise CorruptCheckpointError naming the bad file, else return the manifest (a dict) ━━
+    raise NotImplementedError('Task 1: compare every file with MANIFEST.json; raise CorruptCheckpointError naming the bad file, else return the manifest (a dict)')
+    # ━━ end of Task 1 ━━
 
 
 def latest_checkpoint(root) -> Path | None:
     """The newest checkpoint under ``root`` that passes :func:`verify_checkpoint`, or None."""
-    raise NotImplementedError('Task 1: the newest committed checkpoint that verifies')
+    # ━━ Task 1 — your code: return the newest step_ directory (a Path) that passes verify_checkpoint, or None ━━
+    raise NotImplementedError('Task 1: return the newest step_ directory (a Path) that passes verify_checkpoint, or None')
+    # ━━ end of Task 1 ━━
 
 
 # --------------------------------------------------------------------------- Task 2: resume
@@ -177,17 +203,24 @@ def capture(model, optimizer, scheduler, guard, step: int) -> dict:
     Tensors as tensors (the model's and the optimizer's, from ``get_state_dict``: it also creates
     the optimizer's state when the optimizer has not stepped yet, so a fresh one can be loaded
     into). The rest — the step (the data position), the scheduler, the guard and this rank's
-    random states (torch, Python's ``random``) — pickled under a key of this rank's own.
+    random states (torch, Python's ``random`` and NumPy's: the loop here draws only from torch's, but
+    a data loader or an augmentation may draw from the others) — pickled under a key of this rank's own.
     """
-    raise NotImplementedError("Task 2: the state to save: model, optimizer, schedule, guard, step and this rank's RNGs")
+    # ━━ Task 2 — your code: return a DCP state dict: "model" and "optim" from get_state_dict, and under f"loop.{rank}" the pickled step, scheduler, guard and torch/Python/NumPy random states ━━
+    raise NotImplementedError('Task 2: return a DCP state dict: "model" and "optim" from get_state_dict, and under f"loop.{rank}" the pickled step, scheduler, guard and torch/Python/NumPy random states')
+    # ━━ end of Task 2 ━━
 
 
 def restore(path, model, optimizer, scheduler, guard) -> int:
     """Load the checkpoint at ``path`` into the objects and this rank's random states; return its step.
 
-    Verify the checkpoint first. Collective.
+    Verify the checkpoint first (``verify_checkpoint``). Collective. Right after it returns, everything
+    :func:`capture` saved — parameters, AdamW's state and learning rates, the schedule, the guard, the
+    torch, Python and NumPy random states — equals what it was when the checkpoint was captured.
     """
-    raise NotImplementedError('Task 2: verify, read, and put every piece back; return the step to resume from')
+    # ━━ Task 2 — your code: verify, read the shards into a state dict shaped like capture's, put back the model, optimizer, scheduler, guard and RNG states; return the saved step (an int) ━━
+    raise NotImplementedError("Task 2: verify, read the shards into a state dict shaped like capture's, put back the model, optimizer, scheduler, guard and RNG states; return the saved step (an int)")
+    # ━━ end of Task 2 ━━
 
 
 # ------------------------------------------------------------------- Task 3: the spike guard
@@ -196,6 +229,8 @@ def restore(path, model, optimizer, scheduler, guard) -> int:
 class SpikeGuard:
     """skip ⇔ the loss is NaN or ±inf, or (at least ``min_history`` accepted losses are known and
     the loss exceeds ``factor`` × their median). ``history``: the last ``window`` *accepted* losses.
+    The guard judges from the call where ``len(history) == min_history`` on; a loss equal to
+    ``factor`` × median is taken (only a loss strictly above it is a spike).
 
     ``check(loss)`` returns True to take the step; False to skip it, recording the call's number
     (0, 1, 2, ...) in ``skipped``. Every rank must decide the same: pass the mean over the ranks.
@@ -208,7 +243,9 @@ class SpikeGuard:
         self.skipped: list[int] = []
 
     def check(self, loss: float) -> bool:
-        raise NotImplementedError('Task 3: skip a non-finite loss or one above factor x the median of the history')
+        # ━━ Task 3 — your code: return False (appending the call's number to skipped) for a non-finite loss or one above factor x median(history) once min_history are known; else append the loss to history and return True; count the call either way ━━
+        raise NotImplementedError("Task 3: return False (appending the call's number to skipped) for a non-finite loss or one above factor x median(history) once min_history are known; else append the loss to history and return True; count the call either way")
+        # ━━ end of Task 3 ━━
 
     def state_dict(self) -> dict:
         return {"history": list(self.history), "calls": self.calls, "skipped": list(self.skipped)}
@@ -225,13 +262,17 @@ def deterministic_mode(seed: int) -> None:
     """From now on in this process: seeded generators (torch, Python's ``random``, NumPy),
     deterministic algorithms (an op without a deterministic kernel raises), cuDNN deterministic and
     not benchmarking, and ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (cuBLAS needs it to be deterministic)."""
-    raise NotImplementedError('Task 4: seeds, deterministic algorithms, cuDNN and cuBLAS settings')
+    # ━━ Task 4 — your code: seed torch, random and NumPy with seed; set deterministic algorithms, cuDNN deterministic and not benchmarking, CUBLAS_WORKSPACE_CONFIG; returns None ━━
+    raise NotImplementedError('Task 4: seed torch, random and NumPy with seed; set deterministic algorithms, cuDNN deterministic and not benchmarking, CUBLAS_WORKSPACE_CONFIG; returns None')
+    # ━━ end of Task 4 ━━
 
 
 def all_reduce_in_rank_order(tensor: torch.Tensor) -> torch.Tensor:
     """Sum ``tensor`` over all ranks in place, always as ((x_0 + x_1) + x_2) + ..., the same bits on
     every rank whatever the world size or the collective library's algorithm. Return it."""
-    raise NotImplementedError('Task 4: a sum over the ranks in a fixed order (gather, then add in rank order)')
+    # ━━ Task 4 — your code: overwrite tensor with ((x_0 + x_1) + x_2) + ... (gather, then add in rank order) on every rank; return it ━━
+    raise NotImplementedError('Task 4: overwrite tensor with ((x_0 + x_1) + x_2) + ... (gather, then add in rank order) on every rank; return it')
+    # ━━ end of Task 4 ━━
 
 
 # ---------------------------------------------------------------------- Task 5: the loop
@@ -243,8 +284,10 @@ def train(root, steps: int, *, save_every: int = 3, keep: int = 2, resume: bool 
     ``root``: checkpoints go there every ``save_every`` steps, the newest ``keep`` kept (None: no
     checkpoints). ``resume``: first continue from the newest valid checkpoint under ``root``, if any.
     A step is one global batch consumed: a step the guard skips still counts (its batch is used
-    up) but updates nothing. The run is deterministic: the same arguments give the same bits.
-    Batches come on the CPU: draw ``augment``'s random tokens there, then move them to ``device``.
+    up, its loss is logged) but updates nothing: no optimizer step, and the schedule does not advance
+    either (the learning rate is a function of the optimizer steps taken). The run is deterministic:
+    the same arguments give the same bits. Batches come on the CPU: draw ``augment``'s random tokens
+    there, then move them to ``device``. What to return: :func:`summary` (its docstring says the types).
     """
     rank, world, device = dist.get_rank(), dist.get_world_size(), cdist.device()
     deterministic_mode(seed)  # same initial weights on every rank...
@@ -254,6 +297,6 @@ def train(root, steps: int, *, save_every: int = 3, keep: int = 2, resume: bool 
     torch.manual_seed(seed * 1000 + 1 + rank)  # ...then each rank its own stream for token dropout
     random.seed(seed * 1000 + 1 + rank)
     step, losses, optimizer_steps, resumed_from = 0, {}, 0, None
-    batches = None  # batches_from(...) once the step to start from is known
-    raise NotImplementedError("Task 5: resume; the loop with the guard, a rank-order gradient average, and the checkpoints")
-    return summary(model, optimizer, scheduler, guard, step, losses, batches, optimizer_steps, resumed_from)
+    # ━━ Task 5 — your code: resume, then loop to `steps` (guard on the mean loss, rank-order gradient average, optimizer and schedule on taken steps only, a checkpoint every save_every); return summary(...) ━━
+    raise NotImplementedError('Task 5: resume, then loop to `steps` (guard on the mean loss, rank-order gradient average, optimizer and schedule on taken steps only, a checkpoint every save_every); return summary(...)')
+    # ━━ end of Task 5 ━━
