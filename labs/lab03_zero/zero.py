@@ -21,6 +21,15 @@ Communicate with ``dist.reduce_scatter_single(output, input, group=...)`` and
 All-gathering in place is allowed: the input may be this rank's slice of the output.
 """
 
+# Your code goes in the fenced "Task N — your code" regions of this file:
+#   line 55: Task 1: pad so that N divides the buffer; returns the smallest multiple of n >= numel (an int)
+#   line 62: Task 1: returns slice index of n equal slices of flat, as a view (no copy)
+#   line 132: Task 4: re-allocate u.full's storage, all-gather every rank's u.shard into it; returns None
+#   line 139: Task 4: release u.full's storage (resize it to 0 bytes), keep the tensor; returns None
+#   line 159: Task 3: last grad in: reduce-scatter flat grad ×1/N, add to u.grad_shard, p.grad = None; returns None
+#   line 184: Task 2: ZeRO-1: scale u.grad_full by 1/N, reduce-scatter it; sets grad (this rank's slice)
+#   line 190: Task 2: adamw_ on params with grad; stages 1-2 then all-gather params into u.full
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -43,12 +52,16 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight
 
 def padded_size(numel: int, n: int) -> int:
     """The smallest multiple of ``n`` that is >= ``numel``: every shard gets the same length."""
-    raise NotImplementedError('Task 1: pad a flat buffer so that N divides it')
+    # ━━ Task 1 — your code: pad so that N divides the buffer; returns the smallest multiple of n >= numel (an int) ━━
+    raise NotImplementedError('Task 1: pad so that N divides the buffer; returns the smallest multiple of n >= numel (an int)')
+    # ━━ end of Task 1 ━━
 
 
 def shard_of(flat: torch.Tensor, index: int, n: int) -> torch.Tensor:
     """The ``index``-th of ``n`` equal slices of ``flat`` (a view, not a copy)."""
-    raise NotImplementedError('Task 1: pad a flat buffer so that N divides it')
+    # ━━ Task 1 — your code: returns slice index of n equal slices of flat, as a view (no copy) ━━
+    raise NotImplementedError('Task 1: returns slice index of n equal slices of flat, as a view (no copy)')
+    # ━━ end of Task 1 ━━
 
 
 class Unit:
@@ -116,12 +129,16 @@ class ZeroAdamW:
     # -------------------------------------------------------------------------------- stage 3
     def _gather(self, u: Unit) -> None:
         """Re-allocate ``u.full`` and all-gather every rank's shard into it (nothing if gathered)."""
-        raise NotImplementedError('Task 4: ZeRO-3 gather and free')
+        # ━━ Task 4 — your code: re-allocate u.full's storage, all-gather every rank's u.shard into it; returns None ━━
+        raise NotImplementedError("Task 4: re-allocate u.full's storage, all-gather every rank's u.shard into it; returns None")
+        # ━━ end of Task 4 ━━
 
     def _free(self, u: Unit) -> None:
         """Release ``u.full``'s memory but keep the tensor, so the parameters (its views) and the
         tensors autograd saved stay valid: ``u.full.untyped_storage().resize_(0)``."""
-        raise NotImplementedError('Task 4: ZeRO-3 gather and free')
+        # ━━ Task 4 — your code: release u.full's storage (resize it to 0 bytes), keep the tensor; returns None ━━
+        raise NotImplementedError("Task 4: release u.full's storage (resize it to 0 bytes), keep the tensor; returns None")
+        # ━━ end of Task 4 ━━
 
     def _after_forward(self, u: Unit, output) -> None:
         """Free after forward; gather again when the output's gradient arrives, just before the unit's backward."""
@@ -135,10 +152,13 @@ class ZeroAdamW:
 
         When all have arrived (count ``u.pending`` down): copy them into a zero-padded flat buffer,
         multiply by 1/N (DDP averages; it multiplies before summing), reduce-scatter it into a
-        shard, add that to ``u.grad_shard``, drop every ``p.grad`` (set it to None) and reset
+        shard, add that to ``u.grad_shard`` (add: with gradient accumulation several backward passes run
+        before one step), drop every ``p.grad`` (set it to None) and reset
         ``u.pending``. Stage 3: the unit's backward is over, free its parameters.
         """
-        raise NotImplementedError('Task 3: ZeRO-2 reduce-scatter during backward')
+        # ━━ Task 3 — your code: last grad in: reduce-scatter flat grad ×1/N, add to u.grad_shard, p.grad = None; returns None ━━
+        raise NotImplementedError('Task 3: last grad in: reduce-scatter flat grad ×1/N, add to u.grad_shard, p.grad = None; returns None')
+        # ━━ end of Task 3 ━━
 
     # -------------------------------------------------------------------------------- the step
     @torch.no_grad()
@@ -161,11 +181,15 @@ class ZeroAdamW:
                 )
                 continue
             if self.stage == 1:
-                raise NotImplementedError('Task 2: ZeRO-1 step: reduce-scatter, update my shard, all-gather')
+                # ━━ Task 2 — your code: ZeRO-1: scale u.grad_full by 1/N, reduce-scatter it; sets grad (this rank's slice) ━━
+                raise NotImplementedError("Task 2: ZeRO-1: scale u.grad_full by 1/N, reduce-scatter it; sets grad (this rank's slice)")
+                # ━━ end of Task 2 ━━
             else:
                 grad = u.grad_shard
             params = u.shard if self.stage == 3 else shard_of(u.full, self.rank, self.n)
-            raise NotImplementedError('Task 2: ZeRO-1 step: reduce-scatter, update my shard, all-gather')
+            # ━━ Task 2 — your code: adamw_ on params with grad; stages 1-2 then all-gather params into u.full ━━
+            raise NotImplementedError('Task 2: adamw_ on params with grad; stages 1-2 then all-gather params into u.full')
+            # ━━ end of Task 2 ━━
 
     def zero_grad(self) -> None:
         for u in self.units:

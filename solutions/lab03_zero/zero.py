@@ -43,14 +43,14 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight
 
 def padded_size(numel: int, n: int) -> int:
     """The smallest multiple of ``n`` that is >= ``numel``: every shard gets the same length."""
-    # BEGIN SOLUTION Task 1: pad a flat buffer so that N divides it
+    # BEGIN SOLUTION Task 1: pad so that N divides the buffer; returns the smallest multiple of n >= numel (an int)
     return -(-numel // n) * n
     # END SOLUTION
 
 
 def shard_of(flat: torch.Tensor, index: int, n: int) -> torch.Tensor:
     """The ``index``-th of ``n`` equal slices of ``flat`` (a view, not a copy)."""
-    # BEGIN SOLUTION Task 1: pad a flat buffer so that N divides it
+    # BEGIN SOLUTION Task 1: returns slice index of n equal slices of flat, as a view (no copy)
     size = flat.numel() // n
     return flat[index * size : (index + 1) * size]
     # END SOLUTION
@@ -121,7 +121,7 @@ class ZeroAdamW:
     # -------------------------------------------------------------------------------- stage 3
     def _gather(self, u: Unit) -> None:
         """Re-allocate ``u.full`` and all-gather every rank's shard into it (nothing if gathered)."""
-        # BEGIN SOLUTION Task 4: ZeRO-3 gather and free
+        # BEGIN SOLUTION Task 4: re-allocate u.full's storage, all-gather every rank's u.shard into it; returns None
         storage = u.full.untyped_storage()
         if storage.nbytes() > 0:
             return
@@ -132,7 +132,7 @@ class ZeroAdamW:
     def _free(self, u: Unit) -> None:
         """Release ``u.full``'s memory but keep the tensor, so the parameters (its views) and the
         tensors autograd saved stay valid: ``u.full.untyped_storage().resize_(0)``."""
-        # BEGIN SOLUTION Task 4: ZeRO-3 gather and free
+        # BEGIN SOLUTION Task 4: release u.full's storage (resize it to 0 bytes), keep the tensor; returns None
         u.full.untyped_storage().resize_(0)
         # END SOLUTION
 
@@ -148,10 +148,11 @@ class ZeroAdamW:
 
         When all have arrived (count ``u.pending`` down): copy them into a zero-padded flat buffer,
         multiply by 1/N (DDP averages; it multiplies before summing), reduce-scatter it into a
-        shard, add that to ``u.grad_shard``, drop every ``p.grad`` (set it to None) and reset
+        shard, add that to ``u.grad_shard`` (add: with gradient accumulation several backward passes run
+        before one step), drop every ``p.grad`` (set it to None) and reset
         ``u.pending``. Stage 3: the unit's backward is over, free its parameters.
         """
-        # BEGIN SOLUTION Task 3: ZeRO-2 reduce-scatter during backward
+        # BEGIN SOLUTION Task 3: last grad in: reduce-scatter flat grad ×1/N, add to u.grad_shard, p.grad = None; returns None
         u.pending -= 1
         if u.pending > 0:
             return
@@ -189,7 +190,7 @@ class ZeroAdamW:
                 )
                 continue
             if self.stage == 1:
-                # BEGIN SOLUTION Task 2: ZeRO-1 step: reduce-scatter, update my shard, all-gather
+                # BEGIN SOLUTION Task 2: ZeRO-1: scale u.grad_full by 1/N, reduce-scatter it; sets grad (this rank's slice)
                 u.grad_full.mul_(1 / self.n)
                 grad = torch.empty(u.padded // self.n, device=u.device)
                 dist.reduce_scatter_single(grad, u.grad_full, group=self.group)
@@ -197,7 +198,7 @@ class ZeroAdamW:
             else:
                 grad = u.grad_shard
             params = u.shard if self.stage == 3 else shard_of(u.full, self.rank, self.n)
-            # BEGIN SOLUTION Task 2: ZeRO-1 step: reduce-scatter, update my shard, all-gather
+            # BEGIN SOLUTION Task 2: adamw_ on params with grad; stages 1-2 then all-gather params into u.full
             adamw_(
                 params,
                 grad,
