@@ -15,7 +15,8 @@ Given, from course_lib.parallel.context.ring_attention (read their docstrings):
     block_attention(q, k, v, causal)  -> (out, lse)   fp32 attention of one block pair + log-sum-exp
     block_attention_backward(dout, q, k, v, out, lse, causal) -> (dq, dk, dv)   with the FINAL out, lse
 ``causal=True`` needs a square block whose rows and columns are the same positions (a diagonal).
-Call ``block_attention`` by that name: the grader counts the work you hand it.
+Call ``block_attention`` and ``block_attention_backward`` by those names: the grader counts the work
+you hand them, and records when they run against when your receives are posted and complete.
 
 Also given, from course_lib.dist.p2p: ``exchange(sends=[(tensor, peer)], recvs=[(buffer, peer)],
 group, tag)`` posts its ``dist.isend`` and ``dist.irecv`` calls as one batch and returns the works
@@ -54,7 +55,7 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
     It must be exact for a row that is still empty (lse_a = -inf, out_a = 0), and must not
     overflow when the lse are large (1000 and more): never compute e^lse itself.
     """
-    # BEGIN SOLUTION Task 1: merge two partial softmax results by their log-sum-exp
+    # BEGIN SOLUTION Task 1: merge two partial softmax results by their log-sum-exp; returns (out, lse)
     lse = torch.logaddexp(lse_a, lse_b)
     out = out_a * torch.exp(lse_a - lse).unsqueeze(-1) + out_b * torch.exp(lse_b - lse).unsqueeze(-1)
     return out, lse
@@ -69,13 +70,15 @@ def ring_attention_forward(q, k, v, group=None):
 
     Schedule: N steps; at step t you hold the K/V of rank src = (rank - t) mod N. Before computing
     on it, start sending it to the right neighbour and receiving the next one from the left
-    (one ``exchange`` of dist.isend / dist.irecv; wait before the next step), so N-1 K/V transfers in all. Per step:
+    (one ``exchange`` of dist.isend / dist.irecv), compute, and only then wait for the works: the
+    transfer hides behind the compute (the grader checks that a block_attention runs between posting
+    each receive and its completion). N-1 K/V transfers in all. Per step:
       * src == rank: all L query rows against all L keys, causal (local order is global order);
       * src <  rank: all query rows against the first c keys (src's early chunk), not causal;
       * src >  rank: only the last c query rows (my late chunk) against all L keys, not causal;
     and merge each result into (out, lse) with merge_partials. Everything else is masked: skip it.
     """
-    # BEGIN SOLUTION Task 2: the ring forward, zigzag layout, K/V blocks passed to the right
+    # BEGIN SOLUTION Task 2: zigzag ring forward, next K/V in flight while computing; returns (out, lse), fp32
     rank, n, right, left = neighbours(group)
     length, c = q.shape[-2], q.shape[-2] // 2
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -107,13 +110,14 @@ def ring_attention_forward(q, k, v, group=None):
 def ring_attention_backward(dout, q, k, v, out, lse, group=None):
     """Gradients (dq, dk, dv) of this rank's shard, all fp32, from the forward's final out and lse.
 
-    The same N steps and the same row/key choices as the forward, with block_attention_backward.
+    The same N steps and the same row/key choices as the forward, with block_attention_backward;
+    the next K/V block travels while you compute, as in the forward (graded the same way).
     dq stays here. dk/dv of a block belong to the rank that owns it: let an accumulator travel
     *with* the K/V block — at each step add your share to it and pass it right, receiving the
     accumulator of the next block from the left. After N such hops the one you receive holds the
     complete dk, dv of your own block. (K/V make N-1 hops, dK/dV make N.)
     """
-    # BEGIN SOLUTION Task 3: the ring backward, dK/dV travelling with their block
+    # BEGIN SOLUTION Task 3: ring backward, dK/dV travelling with their block; returns (dq, dk, dv), fp32
     rank, n, right, left = neighbours(group)
     length, c = q.shape[-2], q.shape[-2] // 2
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -188,14 +192,14 @@ def seq_to_heads(x, group=None):
     rank i its tokens (i·s/N ...) of head group r. The gradient of an all-to-all is the inverse
     all-to-all: write a torch.autograd.Function whose backward does heads_to_seq.
     """
-    # BEGIN SOLUTION Task 4: Ulysses all-to-all, sequence shard -> head shard (with its backward)
+    # BEGIN SOLUTION Task 4: one differentiable all-to-all; returns x as [b, h/N, s, d] (head shard)
     return _AllToAll.apply(x, 1, 2, group)
     # END SOLUTION
 
 
 def heads_to_seq(x, group=None):
     """[b, h/N, s, d] -> [b, h, s/N, d]: the inverse of seq_to_heads (and its backward)."""
-    # BEGIN SOLUTION Task 4: Ulysses all-to-all, head shard -> sequence shard
+    # BEGIN SOLUTION Task 4: the inverse all-to-all; returns x as [b, h, s/N, d] (sequence shard)
     return _AllToAll.apply(x, 2, 1, group)
     # END SOLUTION
 
@@ -204,7 +208,7 @@ def ulysses_attention(q, k, v, group=None):
     """Causal attention of a *contiguous* sequence shard (rank r holds tokens r·s/N ...) by Ulysses:
     seq_to_heads for q, k, v; F.scaled_dot_product_attention(..., is_causal=True, enable_gqa=True);
     heads_to_seq for the output. N must divide h and h_kv: raise a ValueError saying so if not."""
-    # BEGIN SOLUTION Task 4: Ulysses attention
+    # BEGIN SOLUTION Task 4: Ulysses causal attention (ValueError if N does not divide the heads); returns [b, h, s/N, d]
     n = dist.get_world_size(group)
     if q.shape[1] % n or k.shape[1] % n:
         raise ValueError(
@@ -217,7 +221,7 @@ def ulysses_attention(q, k, v, group=None):
     # END SOLUTION
 
 
-# BEGIN SOLUTION Task 4: the all-to-all and its autograd Function
+# BEGIN SOLUTION Task 4: helpers for seq_to_heads / heads_to_seq (an autograd Function); define what they call
 # STUB: pass
 def _all_to_all(x, scatter_dim, gather_dim, group):
     n = dist.get_world_size(group)

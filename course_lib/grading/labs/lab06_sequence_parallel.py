@@ -17,13 +17,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
 
 from course_lib.cost.comm import ring_comm_bytes, ulysses_comm_bytes
 from course_lib.dist import counter, device, launch
 from course_lib.grading.adapter import Adapter
 from course_lib.grading.grade import Task
-from course_lib.parallel.context.ring_attention import block_attention, shard, unshard
+from course_lib.parallel.context.ring_attention import block_attention, block_attention_backward, shard, unshard
 
 ROLES = ("merge_partials", "ring_attention", "ulysses_attention")
 
@@ -81,27 +82,138 @@ def _sent(c) -> dict:
     return {"calls": c.calls("isend") + c.calls("send"), "bytes": c.bytes("isend") + c.bytes("send")}
 
 
+class _Timeline:
+    """This rank's receives (posted, then complete) and block computations, in the order they happen.
+
+    A receive is complete when ``wait()`` returns on its work (a blocking ``recv``: when it returns). Under
+    NCCL ``batch_isend_irecv`` returns one work for the whole batch: waiting on it completes the batch's
+    receives. Installed in a rank's process before the communication counter, which wraps these again.
+    """
+
+    def __init__(self):
+        self.events: list[tuple] = []  # ("post", id), ("done", id), ("compute",), ("phase", name)
+        self.batch: list[int] | None = None  # the receives posted by the batch_isend_irecv running now
+        self.blocking = False  # inside a blocking recv
+        for name, wrapper in (("irecv", self._irecv), ("recv", self._recv), ("batch_isend_irecv", self._batch)):
+            original = getattr(c10d, name)
+            wrapped = wrapper(original)
+            setattr(c10d, name, wrapped)  # torch's P2POp compares its op with c10d's irecv: keep them one function
+            setattr(dist, name, wrapped)
+
+    def _post(self) -> int:
+        rid = sum(1 for e in self.events if e[0] == "post")
+        self.events.append(("post", rid))
+        return rid
+
+    def _done_on_wait(self, work, rids):
+        events = self.events
+
+        class Done:
+            def wait(self, *args, **kwargs):
+                out = work.wait(*args, **kwargs)
+                events.extend(("done", rid) for rid in rids if ("done", rid) not in events)
+                return out
+
+            def __getattr__(self, name):
+                return getattr(work, name)
+
+        return Done()
+
+    def _irecv(self, original):
+        def irecv(*args, **kwargs):
+            if self.blocking:  # torch's recv is irecv + wait: recorded once, as the recv
+                return original(*args, **kwargs)
+            rid = self._post()
+            if self.batch is not None:
+                self.batch.append(rid)
+            work = original(*args, **kwargs)
+            return None if work is None else self._done_on_wait(work, [rid])
+
+        return irecv
+
+    def _recv(self, original):
+        def recv(*args, **kwargs):
+            rid, self.blocking = self._post(), True
+            try:
+                out = original(*args, **kwargs)
+            finally:
+                self.blocking = False
+            self.events.append(("done", rid))
+            return out
+
+        return recv
+
+    def _batch(self, original):
+        def batch_isend_irecv(ops):
+            self.batch = []
+            try:
+                works = original(ops)
+            finally:
+                posted, self.batch = self.batch, None
+            if len(works) == len(ops):  # one work per operation (gloo): each receive's own work completes it
+                return works
+            return [self._done_on_wait(w, posted) for w in works]  # coalesced (NCCL): the batch's work does
+
+        return batch_isend_irecv
+
+    def compute(self, fn):
+        def recorded(*args, **kwargs):
+            self.events.append(("compute",))
+            return fn(*args, **kwargs)
+
+        return recorded
+
+    def overlap(self, phase: str) -> tuple[int, int]:
+        """(receives posted in ``phase``, those with a block computed between their posting and completion)."""
+        marks = [i for i, e in enumerate(self.events) if e[0] == "phase"] + [len(self.events)]
+        names = [e[1] for e in self.events if e[0] == "phase"]
+        i = names.index(phase)
+        events = self.events[marks[i] : marks[i + 1]]
+        posted = {e[1]: k for k, e in enumerate(events) if e[0] == "post"}
+        done = {e[1]: k for k, e in enumerate(events) if e[0] == "done"}
+        computes = [k for k, e in enumerate(events) if e[0] == "compute"]
+        hidden = [rid for rid, k in posted.items() if any(k < c < done.get(rid, len(events)) for c in computes)]
+        return len(posted), len(hidden)
+
+
 def _ring_rank(impl: Adapter, seq_len: int, backward: bool):
     work = []
+    timeline = _Timeline()
 
     def counting(q, k, v, causal):  # the unmasked scores (per batch row and head) this rank computes
         m, n = q.shape[-2], k.shape[-2]
         work.append(m * (m + 1) // 2 if causal else m * n)
         return block_attention(q, k, v, causal)
 
-    impl.module("ring_attention").block_attention = counting  # this rank's process only
+    module = impl.module("ring_attention")  # this rank's process only
+    module.block_attention = timeline.compute(counting)
+    module.block_attention_backward = timeline.compute(block_attention_backward)
     rank, world = dist.get_rank(), dist.get_world_size()
     q, k, v, w = (shard(t, rank, world).to(device()) for t in inputs(seq_len))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
+    timeline.events.append(("phase", "forward"))
     with counter.count() as fwd:
         out = impl["ring_attention"](q, k, v)
     grads, bwd = (None, None, None), None
     if backward:
+        timeline.events.append(("phase", "backward"))
         with counter.count() as bwd:
             (out * w).sum().backward()
         grads = (q.grad, k.grad, v.grad)
     fwd_sent, bwd_sent = _sent(fwd), (_sent(bwd) if backward else None)
-    return (out.detach(), *grads, sum(work), fwd_sent, _ops(fwd), bwd_sent, _ops(bwd) if backward else set())
+    overlap = {"forward": timeline.overlap("forward")} | (
+        {"backward": timeline.overlap("backward")} if backward else {}
+    )
+    return (
+        out.detach(),
+        *grads,
+        sum(work),
+        fwd_sent,
+        _ops(fwd),
+        bwd_sent,
+        _ops(bwd) if backward else set(),
+        overlap,
+    )
 
 
 def _check_close(results, indices, what, unshard_fn, reference, exact=False):
@@ -211,6 +323,31 @@ def check_ring_backward_bytes(impl: Adapter) -> None:
     _check_sent(impl, backward=True)
 
 
+OVERLAP_WORLD = 4  # three K/V hops: every one of them must travel while a block is computed
+
+
+def check_ring_forward_overlap(impl: Adapter) -> None:
+    s = 16 * OVERLAP_WORLD
+    for rank, r in enumerate(launch(_ring_rank, OVERLAP_WORLD, impl, s, False, timeout=30)):
+        posted, hidden = r[9]["forward"]
+        assert posted and hidden == posted, (
+            f"ring forward at N={OVERLAP_WORLD}, rank {rank}: {posted - hidden} of its {posted} receives completed "
+            "(wait() returned, or a blocking recv) with no block_attention since they were posted: post the exchange "
+            "of the next K/V block, compute on the block you hold, then wait"
+        )
+
+
+def check_ring_backward_overlap(impl: Adapter) -> None:
+    s, want = 16 * OVERLAP_WORLD, 2 * (OVERLAP_WORLD - 1)
+    for rank, r in enumerate(launch(_ring_rank, OVERLAP_WORLD, impl, s, True, timeout=30)):
+        posted, hidden = r[9]["backward"]
+        assert hidden >= want, (
+            f"ring backward at N={OVERLAP_WORLD}, rank {rank}: {hidden} of its {posted} receives had a "
+            f"block_attention_backward between posting and completion; the {want} K/V receives must: post the next "
+            "K/V exchange before computing on the block you hold, wait after (dK/dV can only leave once computed)"
+        )
+
+
 def _ulysses_rank(impl: Adapter, seq_len: int, h: int, hkv: int):
     rank, world = dist.get_rank(), dist.get_world_size()
     q, k, v, w = (t.chunk(world, dim=-2)[rank].contiguous().to(device()) for t in inputs(seq_len, h, hkv))
@@ -246,13 +383,20 @@ def check_ulysses(impl: Adapter) -> None:
             )
 
 
+NEEDS_FORWARD = (check_merge, check_ring_forward)  # the backward starts from the forward's out and lse
 TASKS = [
     Task("sequence_parallel.py imports and defines the functions", 1, check_setup, setup=True),
     Task("Task 1: log-sum-exp merge of partial attentions", 2, check_merge),
-    Task("Task 2: ring forward equals full causal attention", 3, check_ring_forward),
-    Task("Task 2: forward sends N-1 K/V blocks", 1, check_ring_forward_bytes),
-    Task("Task 2: zigzag balances the work", 1, check_ring_balance),
-    Task("Task 3: ring backward equals full causal attention's gradients", 3, check_ring_backward),
-    Task("Task 3: backward sends the formula's bytes", 1, check_ring_backward_bytes),
+    Task("Task 2: ring forward equals full causal attention", 3, check_ring_forward, needs=(check_merge,)),
+    Task("Task 2: forward sends N-1 K/V blocks", 1, check_ring_forward_bytes, needs=(check_merge,)),
+    Task("Task 2: zigzag balances the work", 1, check_ring_balance, needs=(check_merge,)),
+    Task(
+        "Task 2: the next K/V block travels while one is computed", 1, check_ring_forward_overlap, needs=(check_merge,)
+    ),
+    Task("Task 3: ring backward equals full causal attention's gradients", 3, check_ring_backward, needs=NEEDS_FORWARD),
+    Task("Task 3: backward sends the formula's bytes", 1, check_ring_backward_bytes, needs=NEEDS_FORWARD),
+    Task(
+        "Task 3: backward K/V blocks travel while one is computed", 1, check_ring_backward_overlap, needs=NEEDS_FORWARD
+    ),
     Task("Task 4 (extra credit): Ulysses equals full causal attention", 3, check_ulysses),
 ]
