@@ -23,6 +23,13 @@ course_lib.model.moe) holds experts [T, k] (long), weights [T, k], kept [T, k] (
 scores and logits [T, E].
 """
 
+# Your code goes in the fenced "Task N — your code" regions of this file:
+#   line 50: Task 1: the capacity of one expert; returns ⌈capacity_factor·T·k/E⌉, an int rounded up
+#   line 76: Task 1: top-k softmax routing, first-come capacity; returns Routing(experts, weights, kept, scores, logits)
+#   line 92: Task 2: the Switch auxiliary loss; returns a scalar tensor E·Σ f_i·P_i, differentiable through P
+#   line 132: Task 3: counts, then rows, over all-to-alls; returns Dispatched(tokens, experts, counts, token, slot)
+#   line 156: Task 3: the reverse all-to-all and the gated sum; returns y [T, d]
+
 import math
 from dataclasses import dataclass
 
@@ -38,8 +45,11 @@ from course_lib.model.moe import Routing
 
 
 def capacity(n_tokens: int, top_k: int, n_experts: int, capacity_factor: float) -> int:
-    """The most assignments one expert accepts: ⌈capacity_factor · T · k / E⌉ (rounded *up*)."""
-    raise NotImplementedError('Task 1: the capacity of one expert')
+    """The most assignments one expert accepts: ⌈capacity_factor · T · k / E⌉ (rounded *up*: 7.25 and
+    7.5 both give 8 — neither ``round`` nor ``int`` does that for every fraction)."""
+    # ━━ Task 1 — your code: the capacity of one expert; returns ⌈capacity_factor·T·k/E⌉, an int rounded up ━━
+    raise NotImplementedError('Task 1: the capacity of one expert; returns ⌈capacity_factor·T·k/E⌉, an int rounded up')
+    # ━━ end of Task 1 ━━
 
 
 class Router(nn.Module):
@@ -63,7 +73,9 @@ class Router(nn.Module):
           assignments went to the same expert. (The position of each assignment among those of its
           expert is a cumulative count over a one-hot [T·k, E]; no Python loop over tokens needed.)
         """
-        raise NotImplementedError('Task 1: top-k softmax routing with first-come capacity')
+        # ━━ Task 1 — your code: top-k softmax routing, first-come capacity; returns Routing(experts, weights, kept, scores, logits) ━━
+        raise NotImplementedError('Task 1: top-k softmax routing, first-come capacity; returns Routing(experts, weights, kept, scores, logits)')
+        # ━━ end of Task 1 ━━
 
 
 # ------------------------------------------------------------------------------ Task 2
@@ -77,7 +89,9 @@ def switch_aux_loss(routing: Routing, n_experts: int) -> torch.Tensor:
     for expert i — differentiable, the only path of the gradient. 1 at perfect balance (f_i = P_i =
     1/E), E when every token puts all its probability on one expert.
     """
-    raise NotImplementedError('Task 2: the Switch auxiliary loss')
+    # ━━ Task 2 — your code: the Switch auxiliary loss; returns a scalar tensor E·Σ f_i·P_i, differentiable through P ━━
+    raise NotImplementedError('Task 2: the Switch auxiliary loss; returns a scalar tensor E·Σ f_i·P_i, differentiable through P')
+    # ━━ end of Task 2 ━━
 
 
 # ------------------------------------------------------------------------------ Task 3
@@ -115,7 +129,9 @@ def dispatch(x: torch.Tensor, routing: Routing, n_experts: int, group=None) -> D
        them local: subtract rank·E/N.
     Raise a ValueError saying so if N does not divide the number of experts.
     """
-    raise NotImplementedError('Task 3: dispatch — counts, then rows, over all-to-alls')
+    # ━━ Task 3 — your code: counts, then rows, over all-to-alls; returns Dispatched(tokens, experts, counts, token, slot) ━━
+    raise NotImplementedError('Task 3: counts, then rows, over all-to-alls; returns Dispatched(tokens, experts, counts, token, slot)')
+    # ━━ end of Task 3 ━━
 
 
 def local_experts(d: Dispatched, experts: nn.ModuleList) -> torch.Tensor:
@@ -137,7 +153,9 @@ def combine(results: torch.Tensor, d: Dispatched, routing: Routing, n_tokens: in
     out[token] += weights[token, slot] · result with ``index_add`` (differentiable in the results
     and in the weights: the router learns through the gates). A dropped assignment adds nothing.
     """
-    raise NotImplementedError('Task 3: combine — the reverse all-to-all and the gated sum')
+    # ━━ Task 3 — your code: the reverse all-to-all and the gated sum; returns y [T, d] ━━
+    raise NotImplementedError('Task 3: the reverse all-to-all and the gated sum; returns y [T, d]')
+    # ━━ end of Task 3 ━━
 
 
 def moe_forward(x: torch.Tensor, router: nn.Module, experts: nn.ModuleList, n_experts: int, group=None):

@@ -38,8 +38,9 @@ from course_lib.model.moe import Routing
 
 
 def capacity(n_tokens: int, top_k: int, n_experts: int, capacity_factor: float) -> int:
-    """The most assignments one expert accepts: ⌈capacity_factor · T · k / E⌉ (rounded *up*)."""
-    # BEGIN SOLUTION Task 1: the capacity of one expert
+    """The most assignments one expert accepts: ⌈capacity_factor · T · k / E⌉ (rounded *up*: 7.25 and
+    7.5 both give 8 — neither ``round`` nor ``int`` does that for every fraction)."""
+    # BEGIN SOLUTION Task 1: the capacity of one expert; returns ⌈capacity_factor·T·k/E⌉, an int rounded up
     return math.ceil(capacity_factor * n_tokens * top_k / n_experts)
     # END SOLUTION
 
@@ -65,7 +66,7 @@ class Router(nn.Module):
           assignments went to the same expert. (The position of each assignment among those of its
           expert is a cumulative count over a one-hot [T·k, E]; no Python loop over tokens needed.)
         """
-        # BEGIN SOLUTION Task 1: top-k softmax routing with first-come capacity
+        # BEGIN SOLUTION Task 1: top-k softmax routing, first-come capacity; returns Routing(experts, weights, kept, scores, logits)
         logits = self.gate(x)
         scores = logits.softmax(-1)
         weights, experts = scores.topk(self.top_k, dim=-1)
@@ -92,7 +93,7 @@ def switch_aux_loss(routing: Routing, n_experts: int) -> torch.Tensor:
     for expert i — differentiable, the only path of the gradient. 1 at perfect balance (f_i = P_i =
     1/E), E when every token puts all its probability on one expert.
     """
-    # BEGIN SOLUTION Task 2: the Switch auxiliary loss
+    # BEGIN SOLUTION Task 2: the Switch auxiliary loss; returns a scalar tensor E·Σ f_i·P_i, differentiable through P
     f = torch.bincount(routing.experts.flatten(), minlength=n_experts).float() / routing.experts.numel()
     p = routing.scores.mean(0)
     return n_experts * (f * p).sum()
@@ -134,7 +135,7 @@ def dispatch(x: torch.Tensor, routing: Routing, n_experts: int, group=None) -> D
        them local: subtract rank·E/N.
     Raise a ValueError saying so if N does not divide the number of experts.
     """
-    # BEGIN SOLUTION Task 3: dispatch — counts, then rows, over all-to-alls
+    # BEGIN SOLUTION Task 3: counts, then rows, over all-to-alls; returns Dispatched(tokens, experts, counts, token, slot)
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     if n_experts % n:
         raise ValueError(f"{n_experts} experts do not split over ep={n} ranks: ep must divide the number of experts")
@@ -174,7 +175,7 @@ def combine(results: torch.Tensor, d: Dispatched, routing: Routing, n_tokens: in
     out[token] += weights[token, slot] · result with ``index_add`` (differentiable in the results
     and in the weights: the router learns through the gates). A dropped assignment adds nothing.
     """
-    # BEGIN SOLUTION Task 3: combine — the reverse all-to-all and the gated sum
+    # BEGIN SOLUTION Task 3: the reverse all-to-all and the gated sum; returns y [T, d]
     back = results.new_empty(sum(d.send_counts), results.shape[-1])
     back = dist_fn.all_to_all_single(back, results, d.send_counts, d.recv_counts, group=group)
     out = back.new_zeros(n_tokens, back.shape[-1])
