@@ -8,7 +8,7 @@ bit for bit equal to what ``torch.nn.parallel.DistributedDataParallel`` leaves t
 all-reduces run *during* backward. The design is torch's (Li et al., "PyTorch Distributed:
 Experiences on Accelerating Data Parallel Training", VLDB 2020, §3.2-3.3):
 
-* Task 1 — same start: broadcast rank 0's parameters and buffers to every rank.
+* Task 1 — same start: broadcast the group's first rank's parameters and buffers to every rank.
 * Task 2 — buckets: gradients are packed into flat buffers of about ``cap_bytes`` each, in
   *reverse registration order* (backward produces the last layer's gradients first).
 * Task 3 — hooks and overlap: a hook on each parameter copies its gradient, multiplied by 1/W,
@@ -17,10 +17,19 @@ Experiences on Accelerating Data Parallel Training", VLDB 2020, §3.2-3.3):
 * Task 5 — ``no_sync()``: gradient accumulation without communication.
 
 Call collectives through the module (``dist.all_reduce(...)``, ``dist.broadcast(...)``): the
-grader counts and times them that way. The grader compares against torch DDP *exactly*, so the
+grader counts and times them that way. ``group`` is the data-parallel process group, and it need not
+be the world (a DP × TP mesh runs DDP on sub-groups; the grader splits 4 ranks into {0, 1} and
+{2, 3}): every collective takes ``group=``, W is the group's size and ranks in ``src=`` are global. The grader compares against torch DDP *exactly*, so the
 details in the docstrings (where a bucket closes, the layout inside a bucket, 1/W before the
 sum) are not style: each one changes the last bits of the result.
 """
+
+# Your code goes in the fenced "Task N — your code" regions of this file:
+#   line 55: Task 1: broadcast every parameter and buffer in place from the group's first rank (a global rank); returns None
+#   line 70: Task 2: return the buckets as lists of indices into nbytes, in reverse registration order, each closed once its size is >= cap_bytes
+#   line 140: Task 3: copy grad·(1/W) into the parameter's bucket view, count it in bucket.pending, launch every full bucket in order (async all-reduce over self.group, handle in bucket.work); returns None
+#   line 154: Task 4: wait for every bucket's work and copy each view into its parameter's .grad; returns None
+#   line 169: Task 5: set self.require_sync to False, yield, and restore its previous value in a finally (also on an exception, and nested)
 
 import contextlib
 from dataclasses import dataclass
@@ -38,10 +47,14 @@ MB = 1024 * 1024  # torch's bucket_cap_mb is in MiB: cap_bytes = int(bucket_cap_
 def broadcast_parameters(module: nn.Module, group=None) -> None:
     """Overwrite every parameter and buffer of ``module`` with group rank 0's (in place).
 
-    ``src`` of ``dist.broadcast`` is a *global* rank: for a sub-group use
-    ``dist.get_global_rank(group, 0)``; for the world (``group=None``) it is 0.
+    ``group`` is the data-parallel group (``None``: the world); it need not be the world (the grader
+    also splits 4 ranks into the groups {0, 1} and {2, 3}). Pass ``group=group`` to the broadcast,
+    and mind that its ``src`` is a *global* rank: the group's first is ``dist.get_global_rank(group, 0)``
+    (global rank 2 for the group {2, 3}); for the world (``group=None``) it is 0.
     """
+    # ━━ Task 1 — your code: broadcast every parameter and buffer in place from the group's first rank (a global rank); returns None ━━
     pass  # Task 1: every rank keeps its own random initialisation until you broadcast
+    # ━━ end of Task 1 ━━
 
 
 def plan_buckets(nbytes: list[int], cap_bytes: int) -> list[list[int]]:
@@ -54,7 +67,9 @@ def plan_buckets(nbytes: list[int], cap_bytes: int) -> list[list[int]]:
 
         plan_buckets([4, 4, 4, 4, 4], cap_bytes=8)  ->  [[4, 3], [2, 1], [0]]
     """
-    raise NotImplementedError('Task 2: bucket assignment in reverse registration order')
+    # ━━ Task 2 — your code: return the buckets as lists of indices into nbytes, in reverse registration order, each closed once its size is >= cap_bytes ━━
+    raise NotImplementedError('Task 2: return the buckets as lists of indices into nbytes, in reverse registration order, each closed once its size is >= cap_bytes')
+    # ━━ end of Task 2 ━━
 
 
 @dataclass
@@ -122,7 +137,9 @@ class DDP(nn.Module):
         if not self._syncing:  # first gradient of this backward: finish() runs when backward ends
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
             self._syncing = True
-        raise NotImplementedError('Task 3: copy grad/W into the bucket; launch full buckets in order, async')
+        # ━━ Task 3 — your code: copy grad·(1/W) into the parameter's bucket view, count it in bucket.pending, launch every full bucket in order (async all-reduce over self.group, handle in bucket.work); returns None ━━
+        raise NotImplementedError("Task 3: copy grad·(1/W) into the parameter's bucket view, count it in bucket.pending, launch every full bucket in order (async all-reduce over self.group, handle in bucket.work); returns None")
+        # ━━ end of Task 3 ━━
 
     @torch.no_grad()
     def finish(self) -> None:
@@ -134,7 +151,9 @@ class DDP(nn.Module):
         if not self._syncing:
             return
         with trace.span("ddp.wait"):
-            raise NotImplementedError('Task 4: wait for every bucket, copy the averages into param.grad')
+            # ━━ Task 4 — your code: wait for every bucket's work and copy each view into its parameter's .grad; returns None ━━
+            raise NotImplementedError("Task 4: wait for every bucket's work and copy each view into its parameter's .grad; returns None")
+            # ━━ end of Task 4 ━━
         for bucket in self.buckets:
             bucket.pending, bucket.work = len(bucket.params), None
         self._next_bucket, self._syncing = 0, False
@@ -144,6 +163,9 @@ class DDP(nn.Module):
         """Inside the block, backward passes do not communicate: gradients accumulate in ``.grad``.
 
         Set ``self.require_sync`` to False for the duration of the block and restore the previous
-        value afterwards, also when the block raises.
+        value afterwards, also when the block raises (the exception still reaches the caller). Blocks
+        may nest: leaving an inner block must not switch synchronisation back on inside the outer one.
         """
-        raise NotImplementedError('Task 5: switch synchronisation off for the duration of the block')
+        # ━━ Task 5 — your code: set self.require_sync to False, yield, and restore its previous value in a finally (also on an exception, and nested) ━━
+        raise NotImplementedError('Task 5: set self.require_sync to False, yield, and restore its previous value in a finally (also on an exception, and nested)')
+        # ━━ end of Task 5 ━━

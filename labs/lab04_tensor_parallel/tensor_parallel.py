@@ -17,10 +17,29 @@ So the Megatron MLP  Z = GeLU(X·A)·B  is  g(GeLU(f(X)·A_i)·B_i): one all-red
 backward (f). Call collectives through the module (``dist.all_reduce(...)``) so the grader's
 counter sees them, and pass ``group=group`` to every call.
 
+The tensor-parallel group need not be the world: a mesh builds TP on sub-groups (lab 10), and the
+grader also runs every piece on 4 ranks split into the groups {0, 1} and {2, 3}. So t is
+``dist.get_world_size(group)`` and a rank's position is ``dist.get_rank(group)``, its rank *in the
+group* — never ``dist.get_rank()``, the global rank.
+
 nn.Linear stores its weight as [out_features, in_features] and computes x·Wᵀ, so "A split by
-columns" means the *rows* of ``linear.weight``; "split by rows" means its *columns*. Rank r holds
-slice r of ``weight.chunk(t, dim)``.
+columns" means the *rows* of ``linear.weight``; "split by rows" means its *columns*. Rank r (in the
+group) holds slice r of ``weight.chunk(t, dim)``.
 """
+
+# Your code goes in the fenced "Task N — your code" regions of this file:
+#   line 57: Task 1: return x unchanged (x.view_as(x)) and keep group in ctx for the backward
+#   line 63: Task 1: return (the gradient all-reduced (sum) over ctx.group, None)
+#   line 73: Task 1: return a copy of x all-reduced (sum) over group; x itself unchanged
+#   line 79: Task 1: return (grad unchanged, None)
+#   line 115: Task 2: return a ColumnParallelLinear holding this rank's rows of linear.weight (my_slice, dim 0) and group
+#   line 120: Task 2: return f(x)·weightᵀ, this rank's output features [..., out/t]
+#   line 134: Task 2: return a RowParallelLinear holding this rank's columns of linear.weight (my_slice, dim 1) and group
+#   line 139: Task 2: return g(x·weightᵀ), the full sum [..., out] on every rank of the group
+#   line 185: Task 3: return a VocabParallelEmbedding of this rank's rows of the table and the first token id they hold (from the rank in the group)
+#   line 190: Task 3: return g(lookup of the tokens this rank owns, zeros for the others): [..., d] on every rank
+#   line 214: Task 4: return the per-token losses [N] after three all-reduces over group; save what backward needs
+#   line 220: Task 4: return ((softmax − one-hot) on this rank's columns × grad_loss, None, None)
 
 import torch
 import torch.distributed as dist
@@ -35,11 +54,15 @@ class CopyToParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        raise NotImplementedError("Task 1: f's forward (identity; remember the group for backward)")
+        # ━━ Task 1 — your code: return x unchanged (x.view_as(x)) and keep group in ctx for the backward ━━
+        raise NotImplementedError('Task 1: return x unchanged (x.view_as(x)) and keep group in ctx for the backward')
+        # ━━ end of Task 1 ━━
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("Task 1: f's backward (all-reduce the gradient over the group)")
+        # ━━ Task 1 — your code: return (the gradient all-reduced (sum) over ctx.group, None) ━━
+        raise NotImplementedError('Task 1: return (the gradient all-reduced (sum) over ctx.group, None)')
+        # ━━ end of Task 1 ━━
 
 
 class ReduceFromParallelRegion(torch.autograd.Function):
@@ -47,11 +70,15 @@ class ReduceFromParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        raise NotImplementedError("Task 1: g's forward (all-reduce a copy: do not modify the caller's tensor)")
+        # ━━ Task 1 — your code: return a copy of x all-reduced (sum) over group; x itself unchanged ━━
+        raise NotImplementedError('Task 1: return a copy of x all-reduced (sum) over group; x itself unchanged')
+        # ━━ end of Task 1 ━━
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("Task 1: g's backward (identity)")
+        # ━━ Task 1 — your code: return (grad unchanged, None) ━━
+        raise NotImplementedError('Task 1: return (grad unchanged, None)')
+        # ━━ end of Task 1 ━━
 
 
 def f(x, group):
@@ -85,10 +112,14 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, group) -> "ColumnParallelLinear":
-        raise NotImplementedError("Task 2: keep this rank's output features (rows of linear.weight)")
+        # ━━ Task 2 — your code: return a ColumnParallelLinear holding this rank's rows of linear.weight (my_slice, dim 0) and group ━━
+        raise NotImplementedError("Task 2: return a ColumnParallelLinear holding this rank's rows of linear.weight (my_slice, dim 0) and group")
+        # ━━ end of Task 2 ━━
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError('Task 2: column-parallel forward')
+        # ━━ Task 2 — your code: return f(x)·weightᵀ, this rank's output features [..., out/t] ━━
+        raise NotImplementedError("Task 2: return f(x)·weightᵀ, this rank's output features [..., out/t]")
+        # ━━ end of Task 2 ━━
 
 
 class RowParallelLinear(nn.Module):
@@ -100,10 +131,14 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, group) -> "RowParallelLinear":
-        raise NotImplementedError("Task 2: keep this rank's input features (columns of linear.weight)")
+        # ━━ Task 2 — your code: return a RowParallelLinear holding this rank's columns of linear.weight (my_slice, dim 1) and group ━━
+        raise NotImplementedError("Task 2: return a RowParallelLinear holding this rank's columns of linear.weight (my_slice, dim 1) and group")
+        # ━━ end of Task 2 ━━
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError('Task 2: row-parallel forward')
+        # ━━ Task 2 — your code: return g(x·weightᵀ), the full sum [..., out] on every rank of the group ━━
+        raise NotImplementedError('Task 2: return g(x·weightᵀ), the full sum [..., out] on every rank of the group')
+        # ━━ end of Task 2 ━━
 
 
 class DenseMLP(nn.Module):
@@ -134,7 +169,8 @@ class ParallelMLP(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rank r holds rows [r·V/t, (r+1)·V/t) of the embedding table; the output is the full lookup.
+    """Rank r (in the group: ``dist.get_rank(group)``) holds rows [r·V/t, (r+1)·V/t) of the embedding
+    table; the output is the full lookup.
 
     Look up the tokens you own, write zeros for the others, then sum the t partial lookups with g.
     """
@@ -146,10 +182,14 @@ class VocabParallelEmbedding(nn.Module):
 
     @classmethod
     def from_dense(cls, emb: nn.Embedding, group) -> "VocabParallelEmbedding":
-        raise NotImplementedError("Task 3: this rank's rows of the table, and the first token id they hold")
+        # ━━ Task 3 — your code: return a VocabParallelEmbedding of this rank's rows of the table and the first token id they hold (from the rank in the group) ━━
+        raise NotImplementedError("Task 3: return a VocabParallelEmbedding of this rank's rows of the table and the first token id they hold (from the rank in the group)")
+        # ━━ end of Task 3 ━━
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError('Task 3: masked local lookup, then g')
+        # ━━ Task 3 — your code: return g(lookup of the tokens this rank owns, zeros for the others): [..., d] on every rank ━━
+        raise NotImplementedError('Task 3: return g(lookup of the tokens this rank owns, zeros for the others): [..., d] on every rank')
+        # ━━ end of Task 3 ━━
 
 
 # ------------------------------------------------------- Task 4: vocab-parallel cross-entropy
@@ -158,7 +198,9 @@ class VocabParallelEmbedding(nn.Module):
 class VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token loss L_n = log Σ_v exp(z_nv) − z_{n,y_n} from logits split by vocabulary.
 
-    ``logits`` [N, V/t] are this rank's columns r·V/t .. (r+1)·V/t − 1; ``targets`` [N] are global ids.
+    ``logits`` [N, V/t] are this rank's columns r·V/t .. (r+1)·V/t − 1 (r = ``dist.get_rank(group)``);
+    ``targets`` [N] are global ids. Every all-reduce is over ``group``: the row maximum of another
+    group's logits would make exp(z − m) underflow.
     Forward with exactly three all-reduces of N floats (never gather the [N, V] logits):
         1. the row maximum m_n (op=dist.ReduceOp.MAX), subtracted for a stable exp
         2. the target logit z_{n,y_n} − m_n (SUM; ranks that do not own y_n contribute 0)
@@ -169,11 +211,15 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, group):
-        raise NotImplementedError('Task 4: forward with three all-reduces; save what backward needs')
+        # ━━ Task 4 — your code: return the per-token losses [N] after three all-reduces over group; save what backward needs ━━
+        raise NotImplementedError('Task 4: return the per-token losses [N] after three all-reduces over group; save what backward needs')
+        # ━━ end of Task 4 ━━
 
     @staticmethod
     def backward(ctx, grad_loss):
-        raise NotImplementedError("Task 4: softmax minus one-hot (on this rank's columns), times grad_loss")
+        # ━━ Task 4 — your code: return ((softmax − one-hot) on this rank's columns × grad_loss, None, None) ━━
+        raise NotImplementedError("Task 4: return ((softmax − one-hot) on this rank's columns × grad_loss, None, None)")
+        # ━━ end of Task 4 ━━
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group) -> torch.Tensor:

@@ -28,6 +28,16 @@ which (dp, tp, pp, m) to choose. You write
 ``make_groups`` (given) builds the process groups from your ``coordinates``.
 """
 
+# Your code goes in the fenced "Task N — your code" regions of this file:
+#   line 73: Task 1: return (d, s, t), inverting rank = (d·pp + s)·tp + t
+#   line 94: Task 1: raise ValueError naming every rule the layout breaks (heads, blocks, batch, tied); return None if it breaks none
+#   line 158: Task 2: return the Part: coords, make_groups, stage s of the split made tensor-parallel over the tp group, the schedule
+#   line 182: Task 3: leave the dp-averaged gradients in .grad; return the global batch's mean loss on the last stage, None elsewhere
+#   line 197: Task 4: return the rank's parameter count: 1/tp of every matrix of its stage, the norms whole
+#   line 223: Task 4: return {"op@group": {"calls": n, "bytes": b}} for every call one step makes on this rank
+#   line 282: Task 4: return the seconds of the slowest rank: bubble-stretched compute plus alpha-beta communication
+#   line 290: Task 4: return the candidate check_layout accepts with the least step_seconds (the first of equals)
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -60,7 +70,9 @@ def coordinates(rank: int, layout: Layout) -> tuple[int, int, int]:
 
     so at dp = pp = tp = 2, rank 5 is (1, 0, 1). This is course_lib.dist.Mesh's layout (Megatron-LM's).
     """
-    raise NotImplementedError('Task 1: invert rank = (d·pp + s)·tp + t')
+    # ━━ Task 1 — your code: return (d, s, t), inverting rank = (d·pp + s)·tp + t ━━
+    raise NotImplementedError('Task 1: return (d, s, t), inverting rank = (d·pp + s)·tp + t')
+    # ━━ end of Task 1 ━━
 
 
 def check_layout(layout: Layout, cfg: ModelConfig, global_batch: int) -> None:
@@ -69,13 +81,19 @@ def check_layout(layout: Layout, cfg: ModelConfig, global_batch: int) -> None:
     Each message names its constraint, with the numbers, so that the learner running it can fix it:
 
       * tp must divide the attention heads *and* the key/value heads (each rank computes whole
-        heads), the vocabulary and d_ff — say "heads" in the message;
+        heads), the vocabulary and d_ff — say "heads" in the message ("vocab" or "d_ff" will do
+        where that is what tp does not divide);
       * pp stages need at least pp transformer blocks, and ``split(..., uniform=True)`` gives every
         stage the same number, so pp must divide n_layers — say "blocks";
-      * the global batch must split into dp replicas of m micro-batches — say "batch";
-      * tied embeddings are not composed across stages (pp > 1) — say "tied".
+      * the global batch must split into dp replicas of m micro-batches: dp·m divides it (each of
+        dp and m dividing it alone is not enough) — say "batch";
+      * tied embeddings are not composed across stages (pp > 1; on one stage they are fine) — say "tied".
+
+    The grader tries layouts that break one rule each, so every rule must be there on its own.
     """
-    raise NotImplementedError('Task 1: one message per violated constraint')
+    # ━━ Task 1 — your code: raise ValueError naming every rule the layout breaks (heads, blocks, batch, tied); return None if it breaks none ━━
+    raise NotImplementedError('Task 1: raise ValueError naming every rule the layout breaks (heads, blocks, batch, tied); return None if it breaks none')
+    # ━━ end of Task 1 ━━
 
 
 def make_groups(layout: Layout) -> dict[str, object]:
@@ -137,7 +155,9 @@ def build(model: Transformer, layout: Layout, global_batch: int) -> Part:
     output layer column-parallel (its logits are [b, s, V/tp]). The norms stay whole on every TP
     rank. Build the schedule ``layout.schedule`` (1F1B) for pp ranks and m micro-batches.
     """
-    raise NotImplementedError('Task 2: stage s of the split, its layers made tensor-parallel over the tp group')
+    # ━━ Task 2 — your code: return the Part: coords, make_groups, stage s of the split made tensor-parallel over the tp group, the schedule ━━
+    raise NotImplementedError('Task 2: return the Part: coords, make_groups, stage s of the split made tensor-parallel over the tp group, the schedule')
+    # ━━ end of Task 2 ━━
 
 
 # ------------------------------------------------------------------------------ Task 3
@@ -159,7 +179,9 @@ def step(part: Part, tokens: torch.Tensor, targets: torch.Tensor) -> float | Non
 
     The caller then steps the optimizer: the parameters must follow one process training on [G, S].
     """
-    raise NotImplementedError('Task 3: replica rows -> micro-batches -> schedule -> dp average -> mean loss')
+    # ━━ Task 3 — your code: leave the dp-averaged gradients in .grad; return the global batch's mean loss on the last stage, None elsewhere ━━
+    raise NotImplementedError("Task 3: leave the dp-averaged gradients in .grad; return the global batch's mean loss on the last stage, None elsewhere")
+    # ━━ end of Task 3 ━━
 
 
 # ------------------------------------------------------------------------------ Task 4
@@ -172,7 +194,9 @@ def rank_parameters(cfg: ModelConfig, layout: Layout, coords: tuple[int, int, in
     norm (d) and output layer (V × d) on the last. A TP rank holds 1/tp of every matrix (wq, wk, wv,
     wo, w1, w2, w3, the embedding, the output layer) and the whole of every norm weight (d each).
     """
-    raise NotImplementedError('Task 4: 1/tp of every matrix, the norms whole')
+    # ━━ Task 4 — your code: return the rank's parameter count: 1/tp of every matrix of its stage, the norms whole ━━
+    raise NotImplementedError("Task 4: return the rank's parameter count: 1/tp of every matrix of its stage, the norms whole")
+    # ━━ end of Task 4 ━━
 
 
 def traffic(
@@ -196,7 +220,9 @@ def traffic(
     and per step, when dp > 1, the one all-reduce of the gradients (every parameter of the rank,
     ``rank_parameters``) and, on the last stage, the one of the loss.
     """
-    raise NotImplementedError('Task 4: count every call of the step, per micro-batch and per step')
+    # ━━ Task 4 — your code: return {"op@group": {"calls": n, "bytes": b}} for every call one step makes on this rank ━━
+    raise NotImplementedError('Task 4: return {"op@group": {"calls": n, "bytes": b}} for every call one step makes on this rank')
+    # ━━ end of Task 4 ━━
 
 
 @dataclass(frozen=True)
@@ -253,10 +279,14 @@ def step_seconds(cfg: ModelConfig, layout: Layout, global_batch: int, seq_len: i
 
     and the step takes the largest compute + comm over the ranks.
     """
-    raise NotImplementedError('Task 4: max over ranks of bubble-stretched compute plus alpha-beta communication')
+    # ━━ Task 4 — your code: return the seconds of the slowest rank: bubble-stretched compute plus alpha-beta communication ━━
+    raise NotImplementedError('Task 4: return the seconds of the slowest rank: bubble-stretched compute plus alpha-beta communication')
+    # ━━ end of Task 4 ━━
 
 
 def pick(candidates: list[Layout], cfg: ModelConfig, global_batch: int, seq_len: int, machine: Machine) -> Layout:
     """The candidate with the least ``step_seconds`` on ``machine``, skipping those ``check_layout`` refuses
     (the first of equals)."""
-    raise NotImplementedError('Task 4: refuse what cannot run, then the least predicted time')
+    # ━━ Task 4 — your code: return the candidate check_layout accepts with the least step_seconds (the first of equals) ━━
+    raise NotImplementedError('Task 4: return the candidate check_layout accepts with the least step_seconds (the first of equals)')
+    # ━━ end of Task 4 ━━

@@ -17,9 +17,14 @@ So the Megatron MLP  Z = GeLU(X·A)·B  is  g(GeLU(f(X)·A_i)·B_i): one all-red
 backward (f). Call collectives through the module (``dist.all_reduce(...)``) so the grader's
 counter sees them, and pass ``group=group`` to every call.
 
+The tensor-parallel group need not be the world: a mesh builds TP on sub-groups (lab 10), and the
+grader also runs every piece on 4 ranks split into the groups {0, 1} and {2, 3}. So t is
+``dist.get_world_size(group)`` and a rank's position is ``dist.get_rank(group)``, its rank *in the
+group* — never ``dist.get_rank()``, the global rank.
+
 nn.Linear stores its weight as [out_features, in_features] and computes x·Wᵀ, so "A split by
-columns" means the *rows* of ``linear.weight``; "split by rows" means its *columns*. Rank r holds
-slice r of ``weight.chunk(t, dim)``.
+columns" means the *rows* of ``linear.weight``; "split by rows" means its *columns*. Rank r (in the
+group) holds slice r of ``weight.chunk(t, dim)``.
 """
 
 import torch
@@ -35,14 +40,14 @@ class CopyToParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        # BEGIN SOLUTION Task 1: f's forward (identity; remember the group for backward)
+        # BEGIN SOLUTION Task 1: return x unchanged (x.view_as(x)) and keep group in ctx for the backward
         ctx.group = group
         return x.view_as(x)
         # END SOLUTION
 
     @staticmethod
     def backward(ctx, grad):
-        # BEGIN SOLUTION Task 1: f's backward (all-reduce the gradient over the group)
+        # BEGIN SOLUTION Task 1: return (the gradient all-reduced (sum) over ctx.group, None)
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
@@ -54,7 +59,7 @@ class ReduceFromParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        # BEGIN SOLUTION Task 1: g's forward (all-reduce a copy: do not modify the caller's tensor)
+        # BEGIN SOLUTION Task 1: return a copy of x all-reduced (sum) over group; x itself unchanged
         out = x.contiguous().clone()
         dist.all_reduce(out, group=group)
         return out
@@ -62,7 +67,7 @@ class ReduceFromParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # BEGIN SOLUTION Task 1: g's backward (identity)
+        # BEGIN SOLUTION Task 1: return (grad unchanged, None)
         return grad, None
         # END SOLUTION
 
@@ -98,12 +103,12 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, group) -> "ColumnParallelLinear":
-        # BEGIN SOLUTION Task 2: keep this rank's output features (rows of linear.weight)
+        # BEGIN SOLUTION Task 2: return a ColumnParallelLinear holding this rank's rows of linear.weight (my_slice, dim 0) and group
         return cls(my_slice(linear.weight, 0, group), group)
         # END SOLUTION
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # BEGIN SOLUTION Task 2: column-parallel forward
+        # BEGIN SOLUTION Task 2: return f(x)·weightᵀ, this rank's output features [..., out/t]
         return F.linear(f(x, self.group), self.weight)
         # END SOLUTION
 
@@ -117,12 +122,12 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, group) -> "RowParallelLinear":
-        # BEGIN SOLUTION Task 2: keep this rank's input features (columns of linear.weight)
+        # BEGIN SOLUTION Task 2: return a RowParallelLinear holding this rank's columns of linear.weight (my_slice, dim 1) and group
         return cls(my_slice(linear.weight, 1, group), group)
         # END SOLUTION
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # BEGIN SOLUTION Task 2: row-parallel forward
+        # BEGIN SOLUTION Task 2: return g(x·weightᵀ), the full sum [..., out] on every rank of the group
         return g(F.linear(x, self.weight), self.group)
         # END SOLUTION
 
@@ -155,7 +160,8 @@ class ParallelMLP(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rank r holds rows [r·V/t, (r+1)·V/t) of the embedding table; the output is the full lookup.
+    """Rank r (in the group: ``dist.get_rank(group)``) holds rows [r·V/t, (r+1)·V/t) of the embedding
+    table; the output is the full lookup.
 
     Look up the tokens you own, write zeros for the others, then sum the t partial lookups with g.
     """
@@ -167,13 +173,13 @@ class VocabParallelEmbedding(nn.Module):
 
     @classmethod
     def from_dense(cls, emb: nn.Embedding, group) -> "VocabParallelEmbedding":
-        # BEGIN SOLUTION Task 3: this rank's rows of the table, and the first token id they hold
+        # BEGIN SOLUTION Task 3: return a VocabParallelEmbedding of this rank's rows of the table and the first token id they hold (from the rank in the group)
         weight = my_slice(emb.weight, 0, group)
         return cls(weight, dist.get_rank(group) * weight.shape[0], group)
         # END SOLUTION
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        # BEGIN SOLUTION Task 3: masked local lookup, then g
+        # BEGIN SOLUTION Task 3: return g(lookup of the tokens this rank owns, zeros for the others): [..., d] on every rank
         foreign = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
         local = (tokens - self.vocab_start).masked_fill(foreign, 0)
         partial = F.embedding(local, self.weight).masked_fill(foreign.unsqueeze(-1), 0.0)
@@ -187,7 +193,9 @@ class VocabParallelEmbedding(nn.Module):
 class VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token loss L_n = log Σ_v exp(z_nv) − z_{n,y_n} from logits split by vocabulary.
 
-    ``logits`` [N, V/t] are this rank's columns r·V/t .. (r+1)·V/t − 1; ``targets`` [N] are global ids.
+    ``logits`` [N, V/t] are this rank's columns r·V/t .. (r+1)·V/t − 1 (r = ``dist.get_rank(group)``);
+    ``targets`` [N] are global ids. Every all-reduce is over ``group``: the row maximum of another
+    group's logits would make exp(z − m) underflow.
     Forward with exactly three all-reduces of N floats (never gather the [N, V] logits):
         1. the row maximum m_n (op=dist.ReduceOp.MAX), subtracted for a stable exp
         2. the target logit z_{n,y_n} − m_n (SUM; ranks that do not own y_n contribute 0)
@@ -198,7 +206,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, group):
-        # BEGIN SOLUTION Task 4: forward with three all-reduces; save what backward needs
+        # BEGIN SOLUTION Task 4: return the per-token losses [N] after three all-reduces over group; save what backward needs
         per_rank = logits.shape[-1]
         start = dist.get_rank(group) * per_rank
         z_max = logits.max(dim=-1).values
@@ -217,7 +225,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        # BEGIN SOLUTION Task 4: softmax minus one-hot (on this rank's columns), times grad_loss
+        # BEGIN SOLUTION Task 4: return ((softmax − one-hot) on this rank's columns × grad_loss, None, None)
         softmax, local_t, mine = ctx.saved_tensors
         grad = softmax.clone()
         grad.scatter_add_(-1, local_t.unsqueeze(-1), -mine.to(grad.dtype).unsqueeze(-1))

@@ -60,7 +60,7 @@ def coordinates(rank: int, layout: Layout) -> tuple[int, int, int]:
 
     so at dp = pp = tp = 2, rank 5 is (1, 0, 1). This is course_lib.dist.Mesh's layout (Megatron-LM's).
     """
-    # BEGIN SOLUTION Task 1: invert rank = (d·pp + s)·tp + t
+    # BEGIN SOLUTION Task 1: return (d, s, t), inverting rank = (d·pp + s)·tp + t
     t = rank % layout.tp
     s = rank // layout.tp % layout.pp
     d = rank // (layout.tp * layout.pp)
@@ -74,13 +74,17 @@ def check_layout(layout: Layout, cfg: ModelConfig, global_batch: int) -> None:
     Each message names its constraint, with the numbers, so that the learner running it can fix it:
 
       * tp must divide the attention heads *and* the key/value heads (each rank computes whole
-        heads), the vocabulary and d_ff — say "heads" in the message;
+        heads), the vocabulary and d_ff — say "heads" in the message ("vocab" or "d_ff" will do
+        where that is what tp does not divide);
       * pp stages need at least pp transformer blocks, and ``split(..., uniform=True)`` gives every
         stage the same number, so pp must divide n_layers — say "blocks";
-      * the global batch must split into dp replicas of m micro-batches — say "batch";
-      * tied embeddings are not composed across stages (pp > 1) — say "tied".
+      * the global batch must split into dp replicas of m micro-batches: dp·m divides it (each of
+        dp and m dividing it alone is not enough) — say "batch";
+      * tied embeddings are not composed across stages (pp > 1; on one stage they are fine) — say "tied".
+
+    The grader tries layouts that break one rule each, so every rule must be there on its own.
     """
-    # BEGIN SOLUTION Task 1: one message per violated constraint
+    # BEGIN SOLUTION Task 1: raise ValueError naming every rule the layout breaks (heads, blocks, batch, tied); return None if it breaks none
     problems = []
     if cfg.n_heads % layout.tp or cfg.n_kv_heads % layout.tp or cfg.vocab_size % layout.tp or cfg.d_ff % layout.tp:
         problems.append(
@@ -163,7 +167,7 @@ def build(model: Transformer, layout: Layout, global_batch: int) -> Part:
     output layer column-parallel (its logits are [b, s, V/tp]). The norms stay whole on every TP
     rank. Build the schedule ``layout.schedule`` (1F1B) for pp ranks and m micro-batches.
     """
-    # BEGIN SOLUTION Task 2: stage s of the split, its layers made tensor-parallel over the tp group
+    # BEGIN SOLUTION Task 2: return the Part: coords, make_groups, stage s of the split made tensor-parallel over the tp group, the schedule
     check_layout(layout, model.cfg, global_batch)
     coords = tuple(coordinates(dist.get_rank(), layout))
     groups = make_groups(layout)
@@ -198,7 +202,7 @@ def step(part: Part, tokens: torch.Tensor, targets: torch.Tensor) -> float | Non
 
     The caller then steps the optimizer: the parameters must follow one process training on [G, S].
     """
-    # BEGIN SOLUTION Task 3: replica rows -> micro-batches -> schedule -> dp average -> mean loss
+    # BEGIN SOLUTION Task 3: leave the dp-averaged gradients in .grad; return the global batch's mean loss on the last stage, None elsewhere
     ly, (d, _, _) = part.layout, part.coords
     rows = part.global_batch // ly.dp
     x, y = tokens[d * rows : (d + 1) * rows], targets[d * rows : (d + 1) * rows]
@@ -240,7 +244,7 @@ def rank_parameters(cfg: ModelConfig, layout: Layout, coords: tuple[int, int, in
     norm (d) and output layer (V × d) on the last. A TP rank holds 1/tp of every matrix (wq, wk, wv,
     wo, w1, w2, w3, the embedding, the output layer) and the whole of every norm weight (d each).
     """
-    # BEGIN SOLUTION Task 4: 1/tp of every matrix, the norms whole
+    # BEGIN SOLUTION Task 4: return the rank's parameter count: 1/tp of every matrix of its stage, the norms whole
     d, v, hd = cfg.d_model, cfg.vocab_size, cfg.head_dim
     matrices = d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * cfg.d_ff
     per_block = matrices // layout.tp + 2 * d
@@ -275,7 +279,7 @@ def traffic(
     and per step, when dp > 1, the one all-reduce of the gradients (every parameter of the rank,
     ``rank_parameters``) and, on the last stage, the one of the loss.
     """
-    # BEGIN SOLUTION Task 4: count every call of the step, per micro-batch and per step
+    # BEGIN SOLUTION Task 4: return {"op@group": {"calls": n, "bytes": b}} for every call one step makes on this rank
     ly = layout
     _, s, _ = coords
     b = global_batch // (ly.dp * ly.m)
@@ -353,7 +357,7 @@ def step_seconds(cfg: ModelConfig, layout: Layout, global_batch: int, seq_len: i
 
     and the step takes the largest compute + comm over the ranks.
     """
-    # BEGIN SOLUTION Task 4: max over ranks of bubble-stretched compute plus alpha-beta communication
+    # BEGIN SOLUTION Task 4: return the seconds of the slowest rank: bubble-stretched compute plus alpha-beta communication
     ly, world = layout, layout.world_size
     sizes = {"dp": ly.dp, "pp": ly.pp, "tp": ly.tp}
     spans = {"tp": ly.tp, "pp": ly.pp * ly.tp, "dp": world}
@@ -376,7 +380,7 @@ def step_seconds(cfg: ModelConfig, layout: Layout, global_batch: int, seq_len: i
 def pick(candidates: list[Layout], cfg: ModelConfig, global_batch: int, seq_len: int, machine: Machine) -> Layout:
     """The candidate with the least ``step_seconds`` on ``machine``, skipping those ``check_layout`` refuses
     (the first of equals)."""
-    # BEGIN SOLUTION Task 4: refuse what cannot run, then the least predicted time
+    # BEGIN SOLUTION Task 4: return the candidate check_layout accepts with the least step_seconds (the first of equals)
     best, best_seconds = None, float("inf")
     for layout in candidates:
         try:

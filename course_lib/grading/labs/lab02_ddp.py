@@ -6,6 +6,12 @@ bit-equal to ``torch.nn.parallel.DistributedDataParallel`` at 2, 3 and 4 ranks, 
 trace spans (each bucket's all-reduce launched before backward has finished and waited for only
 after), and no_sync (no all-reduce inside, and accumulation still bit-equal to torch).
 
+A data-parallel group need not be the world (lab 10 builds DP on sub-groups of a mesh): the broadcast
+and the gradients are also graded on 4 ranks split into the groups {0, 1} and {2, 3}, whose data differ,
+so a ``src=0``, a collective without ``group=`` or a 1/W from the world's size loses points. no_sync is
+also graded as a context manager: an exception inside the block reaches the caller and leaves
+synchronisation on, and a nested no_sync leaves it off until the outer block ends.
+
 Torch DDP's first iteration uses a single bucket (it does not know the gradient order yet) and
 rebuilds its buckets at the next forward; the reference takes that warm-up step before any
 comparison, so from then on its buckets are the ones the lab asks for.
@@ -20,6 +26,7 @@ order as torch DDP, so any difference at all is a mistake.
 """
 
 import copy
+import hashlib
 from pathlib import Path
 
 import torch
@@ -27,7 +34,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from course_lib import data
-from course_lib.dist import counter, device, launch, trace
+from course_lib.dist import LaunchTimeout, counter, device, launch, trace
 from course_lib.grading.adapter import Adapter
 from course_lib.grading.grade import Task
 from course_lib.model import config as configs
@@ -41,17 +48,28 @@ def adapter(lab_dir: Path) -> Adapter:
     return Adapter.of_file(Path(lab_dir) / "ddp.py", ROLES)
 
 
+PAIRS_TIMEOUT_S = 30  # the broadcast on 4 ranks as two groups: ~1 s here; a wrong group hangs until then
 CAP_MB = 0.05  # the tiny model's 417 KiB of gradients -> 5 buckets
 GLOBAL_BATCH, SEQ = 12, 32  # splits over 2, 3 and 4 ranks
 _LANGUAGE = []
 
 
-def _batches(n: int, seed: int = 0):
-    """``n`` global batches, this rank's rows of each, on its device (the language is drawn on the host)."""
+def _pairs():
+    """(this rank's group, its index) when 4 ranks form the data-parallel groups {0, 1} and {2, 3}.
+
+    ``dist.new_group`` is collective: every rank creates both groups, in the same order."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    return groups[dist.get_rank() // 2], dist.get_rank() // 2
+
+
+def _batches(n: int, seed: int = 0, group=None):
+    """``n`` global batches, this rank's rows of each, on its device (the language is drawn on the host).
+
+    On a sub-group: the group's global batches split over the group's ranks (``seed`` is the group's)."""
     if not _LANGUAGE:
         _LANGUAGE.append(data.MarkovLanguage())
     ds = data.make_dataset(_LANGUAGE[0], GLOBAL_BATCH * SEQ * n + 1, SEQ, seed=seed)
-    r, w = dist.get_rank(), dist.get_world_size()
+    r, w = dist.get_rank(group), dist.get_world_size(group)
     rows = list(ds.batches(GLOBAL_BATCH // w, rank=r, world_size=w, seed=seed))[:n]
     return [(x.to(device()), y.to(device())) for x, y in rows]
 
@@ -60,16 +78,17 @@ def _backward(model, x, y) -> None:
     next_token_loss(model(x), y).backward()
 
 
-def _pair(impl: Adapter, register_before=None):
-    """(the DDP under test, torch DDP past its warm-up, a plain copy), all from one initial model."""
+def _pair(impl: Adapter, register_before=None, group=None):
+    """(the DDP under test, torch DDP past its warm-up, a plain copy), all from one initial model,
+    data-parallel over ``group`` (None: the world)."""
     torch.manual_seed(0)
     base = Transformer(configs.get("tiny")).to(device())  # initialised on the host: the same weights everywhere
     module = copy.deepcopy(base)
     if register_before is not None:
         register_before(module)
-    mine = impl["DDP"](module, bucket_cap_mb=CAP_MB)
-    ref = TorchDDP(copy.deepcopy(base), bucket_cap_mb=CAP_MB)
-    _backward(ref, *_batches(1, seed=99)[0])
+    mine = impl["DDP"](module, bucket_cap_mb=CAP_MB, group=group)
+    ref = TorchDDP(copy.deepcopy(base), bucket_cap_mb=CAP_MB, process_group=group)
+    _backward(ref, *_batches(1, seed=99, group=group)[0])
     ref.zero_grad(set_to_none=True)
     return mine, ref, base
 
@@ -85,11 +104,29 @@ def _grads(model):
 # ------------------------------------------------------------------------------- per-rank checks
 
 
-def _broadcast(impl: Adapter):
+def _digest(module) -> str:
+    """A fingerprint of every parameter and buffer, bit for bit (small to return, unlike the tensors)."""
+    flat = torch.cat([t.detach().flatten() for t in [*module.parameters(), *module.buffers()]])
+    return hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest()
+
+
+def _broadcast(impl: Adapter, pairs: bool):
+    """Each rank starts from its own random model; returns the fingerprints (its own, after
+    broadcast_parameters) and the text of the error broadcast_parameters raised, if it did."""
+    group = _pairs()[0] if pairs else None
     torch.manual_seed(dist.get_rank())
-    module = Transformer(configs.get("tiny")).to(device())
-    impl["broadcast_parameters"](module)
-    return torch.cat([t.flatten() for t in [*module.parameters(), *module.buffers()]])
+    module = Transformer(configs.get("tiny")).to(device())  # initialised on the host from this rank's seed
+    own = _digest(module)
+    try:
+        if pairs:
+            impl["broadcast_parameters"](module, group)
+        else:
+            impl["broadcast_parameters"](module)
+    except NotImplementedError:
+        raise
+    except Exception as e:  # e.g. a src outside the group: reported with the group in the grader's words
+        return own, None, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    return own, _digest(module), None
 
 
 def _torch_buckets(impl: Adapter):
@@ -100,10 +137,11 @@ def _torch_buckets(impl: Adapter):
     return mine.bucket_names(), theirs
 
 
-def _against_torch(impl: Adapter, steps: int, accumulate: bool):
-    mine, ref, _ = _pair(impl)
+def _against_torch(impl: Adapter, steps: int, accumulate: bool, pairs: bool = False):
+    group, index = _pairs() if pairs else (None, 0)
+    mine, ref, _ = _pair(impl, group=group)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (mine, ref)]
-    batches = _batches(2 * steps)
+    batches = _batches(2 * steps, seed=7 * index, group=group)  # the two groups train on different rows
     diffs = []
     for step in range(steps):
         micro = batches[2 * step : 2 * step + 2] if accumulate else [batches[step]]
@@ -147,6 +185,37 @@ def _no_sync(impl: Adapter):
     return c.calls("all_reduce"), _n_different(_grads(mine.module), _grads(base))
 
 
+class _Interrupted(Exception):
+    """What the grader raises inside ``with ddp.no_sync():`` (a learner's loop stopped by an error)."""
+
+
+def _no_sync_as_context(impl: Adapter):
+    """All-reduces of one backward after an exception inside no_sync, inside nested blocks (after the
+    inner one ended) and after both ended; whether the exception reached the caller; the bucket count."""
+    mine, _, _ = _pair(impl)
+    x, y = _batches(1)[0]
+    calls = {}
+    reached = False
+    try:
+        with mine.no_sync():
+            raise _Interrupted("raised inside no_sync")
+    except _Interrupted:
+        reached = True
+    for when, nested in (("after the exception", False), ("nested", True), ("after both", False)):
+        mine.zero_grad(set_to_none=True)
+        if nested:
+            with mine.no_sync():
+                with mine.no_sync():
+                    pass
+                with counter.count() as c:
+                    _backward(mine, x, y)
+        else:
+            with counter.count() as c:
+                _backward(mine, x, y)
+        calls[when] = c.calls("all_reduce")
+    return reached, calls, len(mine.buckets)
+
+
 # ------------------------------------------------------------------------------------- checks
 
 
@@ -157,12 +226,36 @@ def check_setup(impl: Adapter) -> None:
 
 
 def check_broadcast(impl: Adapter) -> None:
-    results = launch(_broadcast, 2, impl, timeout=60)
-    # bit-equal: a broadcast copies rank 0's values, it computes nothing
-    assert torch.equal(results[0], results[1]), (
+    """Every rank ends with its group's first rank's parameters and buffers, bit for bit (a broadcast
+    copies, it computes nothing): on the world of 2 ranks, and on 4 ranks as the groups {0, 1} and
+    {2, 3}, where the first rank of {2, 3} is global rank 2 and each group must keep its own model."""
+    results = launch(_broadcast, 2, impl, False, timeout=60)
+    assert results[0][1] == results[1][1], (
         "after broadcast_parameters the ranks still hold different models: broadcast every parameter and "
         "buffer from rank 0 (dist.broadcast(t, src=0))"
     )
+    try:  # the solution takes about a second; a broadcast on the world from two sources never ends
+        results = launch(_broadcast, 4, impl, True, timeout=PAIRS_TIMEOUT_S)
+    except LaunchTimeout:
+        raise AssertionError(
+            f"broadcast_parameters(module, group) on 4 ranks as the groups {{0, 1}} and {{2, 3}} did not finish "
+            f"within {PAIRS_TIMEOUT_S} s: pass group=group to dist.broadcast (a broadcast on the world from two "
+            "sources waits forever)"
+        ) from None
+    for members in ((0, 1), (2, 3)):
+        first = results[members[0]][0]
+        for r in members:
+            _, got, error = results[r]
+            assert error is None, (
+                f"broadcast_parameters(module, group) on the group of global ranks {list(members)} raised on rank "
+                f"{r}: {error} — src of dist.broadcast is a global rank: the group's first is "
+                "dist.get_global_rank(group, 0)"
+            )
+            assert got == first, (
+                f"on the group of global ranks {list(members)} (4 ranks as two groups), rank {r} does not hold "
+                f"rank {members[0]}'s model after broadcast_parameters(module, group): broadcast inside the group "
+                "(group=group) from its first rank, dist.get_global_rank(group, 0)"
+            )
 
 
 def check_plan_rule(impl: Adapter) -> None:
@@ -189,18 +282,39 @@ def check_bucket_order(impl: Adapter) -> None:
     assert mine == theirs, f"bucket contents/order differ from torch DDP's: yours start {mine[0]}, torch's {theirs[0]}"
 
 
+def _world_then_pairs(impl: Adapter, steps: int):
+    """4 ranks: against torch on the world, then on the groups {0, 1} and {2, 3} (one launch for both)."""
+    return _against_torch(impl, steps, False), _against_torch(impl, steps, False, True)
+
+
 def check_gradients(impl: Adapter) -> None:
+    """Gradients and parameters bit-equal to torch DDP at 2, 3 and 4 ranks, and on 4 ranks split into the
+    data-parallel groups {0, 1} and {2, 3} (each with its own rows): the average is over the group."""
     # W = 3 as well: at W = 2 and 4, dividing after the sum happens to give the same bits (1/W is a
     # power of two); at 3 only torch's order, g·(1/W) then SUM, does.
-    for world in (2, 3, 4):
-        for rank, (diffs, params) in enumerate(launch(_against_torch, world, impl, 3, False, timeout=60)):
-            for step, n in enumerate(diffs):
-                # bit-equal: same buckets, layout, g·(1/W) and gloo all-reduce as torch = the same float ops in order
-                assert n == 0, (
-                    f"{world} ranks, rank {rank}, step {step}: {n} gradient elements differ from torch DDP (must be "
-                    "bit-equal): check the 1/W pre-division, the layout inside each bucket, and the copy back"
-                )
-            assert params == 0, f"{world} ranks: after 3 AdamW steps {params} parameter elements differ from torch DDP"
+    four = launch(_world_then_pairs, 4, impl, 3, timeout=60)  # first: a mistake on a sub-group fails in one launch
+    _same_as_torch(4, [world for world, _ in four])
+    for rank, (diffs, params) in enumerate(pairs for _, pairs in four):
+        bad = [n for n in diffs if n] + ([params] if params else [])
+        # bit-equal, as above: torch DDP on the same group does the same float operations
+        assert not bad, (
+            f"DDP(module, group=group) on the group of global ranks {[0, 1] if rank < 2 else [2, 3]} (4 ranks as "
+            f"two groups), rank {rank}: {bad[0]} elements differ from torch DDP on that group: average over the "
+            "group, not the world (group=self.group in the all-reduce, 1/W with W = self.world_size)"
+        )
+    for world in (2, 3):
+        _same_as_torch(world, launch(_against_torch, world, impl, 3, False, timeout=60))
+
+
+def _same_as_torch(world: int, results) -> None:
+    for rank, (diffs, params) in enumerate(results):
+        for step, n in enumerate(diffs):
+            # bit-equal: same buckets, layout, g·(1/W) and gloo all-reduce as torch = the same float ops in order
+            assert n == 0, (
+                f"{world} ranks, rank {rank}, step {step}: {n} gradient elements differ from torch DDP (must be "
+                "bit-equal): check the 1/W pre-division, the layout inside each bucket, and the copy back"
+            )
+        assert params == 0, f"{world} ranks: after 3 AdamW steps {params} parameter elements differ from torch DDP"
 
 
 def check_overlap(impl: Adapter) -> None:
@@ -229,12 +343,53 @@ def check_no_sync(impl: Adapter) -> None:
         )
 
 
+def check_no_sync_as_context(impl: Adapter) -> None:
+    """no_sync() as a context manager: an exception inside the block reaches the caller and the next
+    backward communicates again (one all-reduce per bucket: the previous state restored in a finally);
+    inside nested blocks, a backward after the inner block ended still communicates nothing, and after
+    the outer one it does again (restore the previous value, not True)."""
+    for rank, (reached, calls, n) in enumerate(launch(_no_sync_as_context, 2, impl, timeout=60)):
+        assert reached, (
+            f"rank {rank}: an exception raised inside `with ddp.no_sync():` did not reach the caller: let it "
+            "propagate (restore the state in a finally, do not catch it)"
+        )
+        assert calls["after the exception"] == n, (
+            f"rank {rank}: after an exception inside `with ddp.no_sync():`, the next backward issued "
+            f"{calls['after the exception']} all-reduces for {n} buckets: restore require_sync in a finally, so "
+            "that it is restored when the block raises"
+        )
+        assert calls["nested"] == 0, (
+            f"rank {rank}: inside `with ddp.no_sync():` after a nested no_sync() ended, a backward issued "
+            f"{calls['nested']} all-reduces: on exit restore the previous value of require_sync, not True"
+        )
+        assert calls["after both"] == n, (
+            f"rank {rank}: after nested no_sync() blocks ended, a backward issued {calls['after both']} all-reduces "
+            f"for {n} buckets: synchronisation must be back on"
+        )
+
+
 TASKS = [
     Task("ddp.py imports and defines broadcast_parameters, plan_buckets, DDP", 1, check_setup, setup=True),
-    Task("Task 1: every rank starts from rank 0's parameters and buffers", 1, check_broadcast),
+    Task("Task 1: every rank starts from its group's first rank's parameters and buffers", 1, check_broadcast),
     Task("Task 2: plan_buckets follows torch's rule", 1, check_plan_rule),
     Task("Task 2: buckets (count, order, contents) equal torch DDP's", 1, check_bucket_order),
-    Task("Tasks 3+4: gradients and parameters bit-equal to torch DDP at 2, 3 and 4 ranks", 4, check_gradients),
+    Task(
+        "Tasks 3+4: gradients and parameters bit-equal to torch DDP at 2, 3 and 4 ranks and on sub-groups",
+        4,
+        check_gradients,
+        needs=(check_broadcast, check_bucket_order),  # DDP() broadcasts; the bits depend on the buckets
+    ),
     Task("Task 3: all-reduces overlap backward (trace spans)", 2, check_overlap),
-    Task("Task 5: no_sync communicates nothing and accumulates like torch", 2, check_no_sync),
+    Task(
+        "Task 5: no_sync communicates nothing and accumulates like torch",
+        2,
+        check_no_sync,
+        needs=(check_gradients,),  # the synchronised micro-batch is Tasks 3+4's backward
+    ),
+    Task(
+        "Task 5: no_sync restores sync after an exception, and when nested",
+        1,
+        check_no_sync_as_context,
+        needs=(check_overlap,),  # counts Task 3's one all-reduce per bucket outside the block
+    ),
 ]

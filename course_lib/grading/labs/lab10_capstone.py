@@ -3,8 +3,9 @@
 Graded:
 
 * **coordinates** — rank -> (d, s, t) equal to :class:`course_lib.dist.Mesh`'s grid (tp innermost,
-  dp outermost) on every rank of several layouts; ``check_layout`` refuses tp = 3, pp = 8, a batch
-  that dp·m does not divide and tied embeddings across stages, each message naming its constraint;
+  dp outermost) on every rank of several layouts; ``check_layout`` raises ValueError for layouts that
+  each break exactly one rule (K/V heads, vocabulary, d_ff, blocks, batch, tied embeddings across
+  stages: a missing rule shows), each message naming its constraint, and accepts those that break none;
 * **build** — on 8 ranks, every rank's stage, its TP shards gathered, equals the dense model's
   blocks bit for bit (slicing is exact), and each rank holds 1/tp of every matrix;
 * **step** — 3 SGD steps on 8 ranks at three layouts give the losses and the parameters of one
@@ -38,6 +39,7 @@ import torch.distributed as dist
 from course_lib.dist import counter, device, launch
 from course_lib.dist.mesh import AXES
 from course_lib.grading.adapter import Adapter
+from course_lib.grading.expect import raises
 from course_lib.grading.grade import Task
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer
@@ -192,23 +194,47 @@ def check_coordinates(impl: Adapter) -> None:
             )
 
 
-def check_refusals(impl: Adapter) -> None:
-    cfg = _cfg()
-    cases = (
-        (Layout(tp=3), cfg, "heads", "tp=3 with 4 attention heads and 2 key/value heads"),
-        (Layout(pp=8), cfg, "blocks", "pp=8 stages for 4 transformer blocks"),
-        (Layout(dp=2, m=3), cfg, "batch", f"dp=2 × m=3 for a global batch of {G}"),
-        (Layout(pp=2), configs.get("tiny", n_layers=4, tie_embeddings=True), "tied", "pp=2 with tied embeddings"),
+def _refusals():
+    """(layout, config, words, what): each breaks exactly ONE of check_layout's rules, so that a missing
+    rule shows (a case breaking several is refused by any one of them); the message must say one of
+    ``words``. tests/test_lab10_capstone.py proves, with the rules written there, that each breaks one only."""
+    cfg = _cfg()  # 4 heads, 2 K/V heads, vocabulary 64, d_ff 192, 4 blocks
+    return (
+        (Layout(tp=4), cfg, ("heads",), "tp=4 with 2 key/value heads (it divides the 4 attention heads)"),
+        (Layout(tp=2), _cfg_with(vocab_size=65), ("heads", "vocab"), "tp=2 with a vocabulary of 65"),
+        (Layout(tp=2), _cfg_with(d_ff=193), ("heads", "d_ff"), "tp=2 with d_ff = 193"),
+        (Layout(pp=8), cfg, ("blocks",), "pp=8 stages for 4 transformer blocks"),
+        (Layout(pp=3), cfg, ("blocks",), "pp=3 stages for 4 transformer blocks (3 does not divide 4)"),
+        (Layout(dp=4, m=4), cfg, ("batch",), f"dp=4 × m=4 for a global batch of {G} (each alone divides it)"),
+        (Layout(dp=3), cfg, ("batch",), f"dp=3 for a global batch of {G}"),
+        (Layout(pp=2), _cfg_with(tie_embeddings=True), ("tied",), "pp=2 with tied embeddings"),
     )
-    for layout, c, word, what in cases:
+
+
+def _cfg_with(**overrides):
+    return configs.get("tiny", n_layers=4, **overrides)
+
+
+# Layouts every rule accepts, some at a rule's edge: all the candidates, tied embeddings on one stage
+ACCEPTED = (*((layout, False) for layout in CANDIDATES), (Layout(dp=8), True), (Layout(dp=2, tp=2, m=4), True))
+
+
+def check_refusals(impl: Adapter) -> None:
+    """check_layout raises ValueError for each layout that breaks one rule (heads, blocks, batch, tied;
+    each case breaks that rule alone), naming the rule; and accepts every layout that breaks none."""
+    for layout, c, words, what in _refusals():
+        e = raises(ValueError, impl["check_layout"], layout, c, G, what=f"check_layout for {what}")
+        assert any(w in str(e) for w in words), (
+            f"check_layout refused {what}, but its message does not say {' or '.join(map(repr, words))}: {e}"
+        )
+    for layout, tied in ACCEPTED:
         try:
-            impl["check_layout"](layout, c, G)
+            impl["check_layout"](layout, _cfg_with(tie_embeddings=tied), G)
         except ValueError as e:
-            assert word in str(e), f"check_layout refused {what}, but its message does not say {word!r}: {e}"
-        else:
-            raise AssertionError(f"check_layout accepted {what}: raise ValueError naming the constraint")
-    for layout in CANDIDATES:
-        impl["check_layout"](layout, cfg, G)  # raises (and fails the check) if it refuses a good layout
+            raise AssertionError(
+                f"check_layout refused {layout}{' with tied embeddings' if tied else ''}, which the model and a "
+                f"batch of {G} can take: {e}"
+            ) from None
 
 
 def check_build(impl: Adapter) -> None:
@@ -322,8 +348,33 @@ TASKS = [
     Task("capstone.py imports and defines the functions", 1, check_setup, setup=True),
     Task("Task 1: rank -> (d, s, t), tp innermost, dp outermost", 2, check_coordinates),
     Task("Task 1: layouts the model cannot take refused, naming why", 1, check_refusals),
-    Task("Task 2: each rank's stage, TP-split, is the dense model's", 2, check_build, timeout=180),
-    Task("Task 3: 3 SGD steps on 8 ranks equal one process (3 layouts)", 5, check_training, timeout=180),
-    Task("Task 4: predicted traffic equals the counter's, per rank and group", 3, check_traffic, timeout=180),
-    Task("Task 4: step_seconds and pick agree with the measured traffic", 3, check_pick, timeout=180),
+    # build uses Task 1's coordinates (through make_groups) and check_layout
+    Task(
+        "Task 2: each rank's stage, TP-split, is the dense model's",
+        2,
+        check_build,
+        timeout=180,
+        needs=(check_coordinates, check_refusals),
+    ),
+    Task(
+        "Task 3: 3 SGD steps on 8 ranks equal one process (3 layouts)",
+        5,
+        check_training,
+        timeout=180,
+        needs=(check_coordinates, check_refusals, check_build),  # trains Task 2's stage
+    ),
+    Task(
+        "Task 4: predicted traffic equals the counter's, per rank and group",
+        3,
+        check_traffic,
+        timeout=180,
+        needs=(check_coordinates, check_build),  # measures Task 2's stage
+    ),
+    Task(
+        "Task 4: step_seconds and pick agree with the measured traffic",
+        3,
+        check_pick,
+        timeout=180,
+        needs=(check_coordinates, check_refusals, check_build),  # pick skips what check_layout refuses
+    ),
 ]
