@@ -14,7 +14,9 @@ checks test course_lib's code (course_lib keeps its own API):
   is a context manager that puts everything back on exit: the shim enters it and never leaves.
 * lab 08 — the lab's ``quantize`` takes ``amax=`` (delayed scaling: an earlier step's amax); course_lib
   takes delayed scaling as the recipe "delayed" with an ``AmaxHistory``.
-* lab 10 — the lab's ``coordinates(rank, layout)`` is course_lib's Mesh grid (computed here as the Mesh
+* lab 10 — the lab's ``check_layout`` refuses a pipeline size that does not divide the blocks (its
+  stages are uniform); course_lib's only needs ``pp <= n_layers`` (its stages may be uneven): the shim
+  adds that one rule to course_lib's. The lab's ``coordinates(rank, layout)`` is course_lib's Mesh grid (computed here as the Mesh
   lays it out, since a Mesh built inside a launched rank creates process groups); its ``build`` returns
   a part with ``.stage`` and ``.groups``, and ``step(part, ...)`` is a function: course_lib's
   ``Composed`` with its mesh's groups, and its ``step`` method.
@@ -30,6 +32,7 @@ import torch.nn as nn
 
 from course_lib.grading.adapter import load
 from course_lib.measure import reproducibility
+from course_lib.parallel import compose
 from course_lib.parallel.compose import Composed
 from course_lib.parallel.data.ddp import DistributedDataParallel, assign_buckets
 from course_lib.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
@@ -109,3 +112,12 @@ def build(model, layout, global_batch: int) -> ComposedPart:
 def step(part: ComposedPart, tokens, targets):
     """Lab 10's role: the composition's step, as a function."""
     return part.step(tokens, targets)
+
+
+def check_layout(layout, cfg, global_batch) -> None:
+    """Lab 10's rules: course_lib's, plus pp dividing the blocks (the lab's stages are uniform)."""
+    compose.check_layout(layout, cfg, global_batch)
+    if cfg.n_layers % layout.pp:
+        raise ValueError(
+            f"{layout.pp} equal stages need a multiple of {layout.pp} blocks; the model has {cfg.n_layers}"
+        )
