@@ -25,8 +25,10 @@ the same g·(1/W) copy-in and the same gloo all-reduce perform the same float op
 order as torch DDP, so any difference at all is a mistake.
 """
 
+import contextlib
 import copy
 import hashlib
+import inspect
 from pathlib import Path
 
 import torch
@@ -110,6 +112,29 @@ def _digest(module) -> str:
     return hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest()
 
 
+class _WorldBroadcast(Exception):
+    """A broadcast on the world where the caller gave a sub-group: it would wait forever for the other group."""
+
+
+@contextlib.contextmanager
+def _refuse_world_broadcast():
+    """While it is open, ``dist.broadcast`` without a sub-group raises at once instead of hanging: on two
+    groups, the world's broadcast from two sources never completes (it would cost the check its timeout)."""
+    real = dist.broadcast
+
+    def broadcast(tensor, *args, **kwargs):
+        group = inspect.signature(real).bind(tensor, *args, **kwargs).arguments.get("group")
+        if group is None or group == dist.group.WORLD:
+            raise _WorldBroadcast("dist.broadcast was called on the world (no group=): pass group=group")
+        return real(tensor, *args, **kwargs)
+
+    dist.broadcast = broadcast
+    try:
+        yield
+    finally:
+        dist.broadcast = real
+
+
 def _broadcast(impl: Adapter, pairs: bool):
     """Each rank starts from its own random model; returns the fingerprints (its own, after
     broadcast_parameters) and the text of the error broadcast_parameters raised, if it did."""
@@ -119,7 +144,8 @@ def _broadcast(impl: Adapter, pairs: bool):
     own = _digest(module)
     try:
         if pairs:
-            impl["broadcast_parameters"](module, group)
+            with _refuse_world_broadcast():
+                impl["broadcast_parameters"](module, group)
         else:
             impl["broadcast_parameters"](module)
     except NotImplementedError:
@@ -246,6 +272,10 @@ def check_broadcast(impl: Adapter) -> None:
         first = results[members[0]][0]
         for r in members:
             _, got, error = results[r]
+            assert error is None or not error.startswith("_WorldBroadcast"), (
+                f"broadcast_parameters(module, group) on the group of global ranks {list(members)}: "
+                f"{error.split(': ', 1)[1]} (a broadcast on the world from each group's first rank never completes)"
+            )
             assert error is None, (
                 f"broadcast_parameters(module, group) on the group of global ranks {list(members)} raised on rank "
                 f"{r}: {error} — src of dist.broadcast is a global rank: the group's first is "
