@@ -84,10 +84,14 @@ def test_grade_one_task_both_ways():
     assert grade.main(["lab01", "--task", "2", "--solutions"]) == 0
     solution = grade.grade("lab01", solutions=True, task=2)
     starter = grade.grade("lab01", task=2)
-    assert [r.task.name for r in solution] == [r.task.name for r in starter] == [
-        "Task 2: all-gather equals torch.distributed",
-        "Task 2: all-gather sends (N-1)/N·S bytes",
-    ]
+    assert (
+        [r.task.name for r in solution]
+        == [r.task.name for r in starter]
+        == [
+            "Task 2: all-gather equals torch.distributed",
+            "Task 2: all-gather sends (N-1)/N·S bytes",
+        ]
+    )
     assert all(r.passed for r in solution) and not any(r.passed for r in starter)
     assert all(r.feedback.startswith("not implemented yet: Task 2") for r in starter), [r.feedback for r in starter]
 

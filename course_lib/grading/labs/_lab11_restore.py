@@ -67,7 +67,7 @@ def _train(module, objects, start: int, stop: int) -> None:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        guard.history.append(float(loss) + random.random() + float(np.random.rand()))  # a loader's draws
+        guard.history.append(float(loss.detach()) + random.random() + float(np.random.rand()))  # a loader's draws
         guard.calls += 1
         if step == 2:
             guard.skipped.append(step)
