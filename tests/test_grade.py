@@ -226,3 +226,18 @@ def test_grade_help_and_task_option_from_the_shell():
     assert out.returncode == 0 and "--task N" in out.stdout and "--dir DIR" in out.stdout, out.stdout + out.stderr
     with pytest.raises(SystemExit, match="no Task 9"):
         grade.grade("lab01", solutions=True, task=9)
+
+
+def test_a_wrong_task_1_is_named_by_task_3_rows_end_to_end(tmp_path):
+    """Lab 01's all-reduce is the learner's reduce-scatter then all-gather: a mistake in Task 1 must make
+    ``--task 3`` name Task 1, not send the learner hunting in a correct all-reduce."""
+    solution = ROOT / "solutions" / "lab01_collectives" / "collectives.py"
+    text = solution.read_text()
+    old = "        into += buffer\n"
+    assert text.count(old) == 1, "the reduce-scatter of lab 01's solution changed: update this planted bug"
+    (tmp_path / "collectives.py").write_text(text.replace(old, "        into.copy_(buffer)  # planted: no sum\n"))
+    results = grade.grade("lab01", lab_dir=tmp_path, task=3)
+    assert [r.passed for r in results] == [False, True], [(r.task.name, r.feedback) for r in results]
+    assert results[0].feedback.startswith("needs Task 1 first: 'Task 1: reduce-scatter equals torch.distributed'"), (
+        results[0].feedback
+    )

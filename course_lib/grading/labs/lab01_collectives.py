@@ -189,6 +189,17 @@ TASKS = [
     Task("Task 1: reduce-scatter sends (N-1)/N·S bytes", 1, check_reduce_scatter_bytes),
     Task("Task 2: all-gather equals torch.distributed", 2, check_all_gather),
     Task("Task 2: all-gather sends (N-1)/N·S bytes", 1, check_all_gather_bytes),
-    Task("Task 3: all-reduce equals torch.distributed", 3, check_all_reduce),
-    Task("Task 3: all-reduce sends 2(N-1)/N·S bytes", 2, check_all_reduce_bytes),
+    # Task 3's all-reduce is Task 1's reduce-scatter then Task 2's all-gather: they fail it too
+    Task(
+        "Task 3: all-reduce equals torch.distributed",
+        3,
+        check_all_reduce,
+        needs=(check_reduce_scatter, check_all_gather),
+    ),
+    Task(
+        "Task 3: all-reduce sends 2(N-1)/N·S bytes",
+        2,
+        check_all_reduce_bytes,
+        needs=(check_reduce_scatter_bytes, check_all_gather_bytes),
+    ),
 ]
