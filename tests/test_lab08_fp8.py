@@ -21,6 +21,16 @@ BUGS = {  # name: ([(what the solution says, what the bug says)], checks that mu
         {lab08.check_per_tensor},
         {lab08.check_amax_per_group, lab08.check_linear_forward, lab08.check_linear_backward},
     ),
+    "tiles_asserted_not_refused": (  # the contract says ValueError; an assert is the learner's own check
+        [
+            (
+                'raise ValueError(f"block={block} does not divide the last dimension {cols}")',
+                'assert False, f"block={block} does not divide the last dimension {cols}"',
+            )
+        ],
+        {lab08.check_amax_per_group},
+        {lab08.check_per_tensor},
+    ),
     "no_saturation": (
         [(".clamp(-f.max, f.max).to(f.dtype)", ".to(f.dtype)")],
         {lab08.check_saturation},

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from course_lib.data import MarkovLanguage
 from course_lib.grading.adapter import Adapter
+from course_lib.grading.expect import raises
 from course_lib.grading.grade import Task
 from course_lib.precision import fp8
 
@@ -255,11 +256,15 @@ def check_amax_per_group(impl: Adapter) -> None:
                 f"{want[idx].item():.4g}: reshape to [R/br, br, C/bc, bc] and reduce over br and bc"
             )
     for recipe, shape in (("tile", (8, 200)), ("block", (200, 256))):
-        try:
-            amax_per_group(torch.ones(shape, device=GRADER), recipe, 128)
-        except ValueError:
-            continue
-        raise AssertionError(f"recipe {recipe!r} on x {shape}: 128 does not divide it: raise a ValueError")
+        x = torch.ones(shape, device=GRADER)
+        raises(
+            ValueError,
+            amax_per_group,
+            x,
+            recipe,
+            128,
+            what=f"recipe {recipe!r} on x {shape}, which 128 does not divide,",
+        )
 
 
 def _reference_expand(scale: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
