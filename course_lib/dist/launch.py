@@ -114,6 +114,7 @@ def _rank_main(rank: int, world_size: int, port: int, payload: bytes, q, release
         LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR=HOST,
         MASTER_PORT=str(port),
+        COURSE_LAUNCHED_RANK=str(rank),  # read by _context() of a launch made inside this rank
     )
     try:
         if runtime.backend() == "gloo":
@@ -157,11 +158,15 @@ def _context():
     ``torch._dynamo`` is among it because the first ``step()`` of any torch.optim optimizer imports
     it (with sympy): ~3 s of one core per rank otherwise, measured at 4 s against 0.6 s for a 2-rank
     launch whose ranks take one AdamW step (2 cores). It starts no thread, so forking after it is safe.
+    A rank that launches ranks of its own (a grader's check) starts a server of its own for one or two
+    launches: there the import would cost more than it saves, so only a top-level caller preloads it.
     """
     global _CONTEXT
     if _CONTEXT is None:
         _CONTEXT = multiprocessing.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "course_lib.dist.runtime"])
+        nested = os.environ.get("COURSE_LAUNCHED_RANK") is not None
+        preload = ["torch", "torch.distributed", *([] if nested else ["torch._dynamo"]), "course_lib.dist.runtime"]
+        _CONTEXT.set_forkserver_preload(preload)
     return _CONTEXT
 
 
