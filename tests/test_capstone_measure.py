@@ -28,7 +28,7 @@ def test_the_composed_run_follows_one_process_and_its_traced_step_has_the_compos
         first, last = where["pp"] == 0, where["pp"] == CAPSTONE.pp - 1
         comm = Counter((s.name, s.meta.get("group")) for s in spans if s.kind == "comm")
         assert comm[("all_reduce", "tp")] == m * (4 * per_stage + first + 4 * last), (rank, comm)
-        # the pipeline posts each receive as an irecv, batched with its sends (runtime.py)
+        # the pipeline posts each receive as an irecv, batched with its sends (parallel/pipeline/messages.py)
         assert comm[("isend", "pp")] == comm[("irecv", "pp")] == m, (rank, comm)
         assert comm[("all_reduce", "dp")] == 1 + last, (rank, comm)
         backward_end = max(s.end for s in spans if s.name == "B")

@@ -36,7 +36,7 @@ from course_lib.parallel.compose import Composed, Layout
 from course_lib.parallel.context import ring_attention as ra
 from course_lib.parallel.data.ddp import DistributedDataParallel
 from course_lib.parallel.data.zero import Zero
-from course_lib.parallel.pipeline import runtime, schedules
+from course_lib.parallel.pipeline import executor, schedules
 
 
 def _refusals() -> dict[str, str]:
@@ -130,7 +130,7 @@ def _two_ranks() -> dict:
     stage = nn.Linear(8, 8).to(device())
     xs = [torch.randn(2, 8, device=device()) for _ in range(4)]
     schedule = schedules.build("1f1b", 2, 4)
-    runtime.run_step(schedule, {rank: stage}, xs, xs, lambda y, t: (y - t).pow(2).mean(), (2, 8))
+    executor.run_step(schedule, {rank: stage}, xs, xs, lambda y, t: (y - t).pow(2).mean(), (2, 8))
     pipeline = list(batches)
 
     batches.clear()

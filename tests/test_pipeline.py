@@ -1,5 +1,5 @@
 """Pipeline parallelism: the schedules are valid, the simulator reproduces the bubble and in-flight
-formulas, and the runtime computes the non-pipelined model's loss and gradients."""
+formulas, and the executor computes the non-pipelined model's loss and gradients."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from course_lib.cost import pipeline as cost
 from course_lib.cost.activations import activation_bytes_per_layer
 from course_lib.dist import counter, device, launch
 from course_lib.measure.pipeline import TORCH_SCHEDULES, measured_bubble, versus_torch
+from course_lib.measure.stage_activations import StageActivationMeter
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer, next_token_loss
-from course_lib.parallel.pipeline import runtime, stages
+from course_lib.parallel.pipeline import executor, messages, stages
 from course_lib.parallel.pipeline.schedules import SCHEDULES, Action, Schedule, build, check
 from course_lib.parallel.pipeline.simulate import Deadlock, simulate
 
@@ -118,7 +119,7 @@ def test_balance_minimises_the_costliest_stage():
     assert stages.balance([5, 1, 1, 1, 1, 1], 2) == [range(0, 1), range(1, 6)]
 
 
-# ----------------------------------------------------------------------------- the runtime
+# ----------------------------------------------------------------------------- the executor
 
 
 def _run(name, v, m=4, n_layers=None, tie=False, seed=0):
@@ -132,10 +133,11 @@ def _run(name, v, m=4, n_layers=None, tie=False, seed=0):
     g = torch.Generator().manual_seed(seed + 1)  # host: the same tokens on any machine, moved to the device below
     tokens = torch.randint(0, cfg.vocab_size, (m, 2, 17), generator=g).to(device())
     xs, ys = tokens[:, :, :-1], tokens[:, :, 1:]
-    group = runtime.tied_group(schedule)
+    group = stages.tied_group(schedule)
+    meter = StageActivationMeter(mine)
     with counter.count() as c:
-        result = runtime.run_step(schedule, mine, xs, ys, next_token_loss, (2, 16, cfg.d_model))
-    runtime.sum_tied_gradients(schedule, mine, group)
+        result = executor.run_step(schedule, mine, xs, ys, next_token_loss, (2, 16, cfg.d_model), observer=meter)
+    stages.sum_tied_gradients(schedule, mine, group)
     ref_losses = {}
     for i in range(m):  # the non-pipelined model on the same micro-batches, mean loss over the step
         loss = reference.loss(xs[i], ys[i])
@@ -158,8 +160,8 @@ def _run(name, v, m=4, n_layers=None, tie=False, seed=0):
         "ref_losses": {i: ref_losses[i] for i in result.losses},
         "diffs": diffs,
         "peak": result.peak_in_flight,
-        "peak_bytes": result.peak_activation_bytes,
-        "bytes_per_microbatch": result.activation_bytes,
+        "peak_bytes": meter.peak_bytes,
+        "bytes_per_microbatch": meter.bytes_per_microbatch,
         "sent": c.bytes("isend"),
         "hidden_bytes": 2 * 16 * cfg.d_model * 4,
         "layer_bytes": activation_bytes_per_layer(cfg, 2, 16),  # the cost model, one block, one micro-batch
@@ -169,7 +171,7 @@ def _run(name, v, m=4, n_layers=None, tie=False, seed=0):
 
 @pytest.mark.parametrize("p", [2, 4])
 @pytest.mark.parametrize("name", SCHEDULES)
-def test_runtime_equals_the_unpipelined_model(name, p):
+def test_executor_equals_the_unpipelined_model(name, p):
     m = 2 * p
     per_rank = launch(_run, p, name, V[name], m, timeout=180)
     for rank, r in enumerate(per_rank):
@@ -240,7 +242,7 @@ def test_same_gradients_as_torch_pipelining_at_four_ranks():
 @pytest.mark.parametrize("m", [8, 16])
 def test_measured_1f1b_bubble_is_within_15_percent_of_the_formula(m):
     # stages made equal by sleeping 40 ms forward and 80 ms backward: 4 ranks on 2 cores do not compete,
-    # and the runtime's own overhead (P2P, Python, about 1 ms per action) is what separates the two
+    # and the executor's own overhead (P2P, Python, about 1 ms per action) is what separates the two
     got, want = measured_bubble("1f1b", 4, m)["bubble"], cost.bubble_fraction(4, m)
     assert abs(got - want) <= 0.15 * want, (
         f"1F1B, p=4, m={m}: measured bubble {got:.3f}, formula (p-1)/(m+p-1) = {want:.3f}; more than 15% apart"
@@ -250,9 +252,9 @@ def test_measured_1f1b_bubble_is_within_15_percent_of_the_formula(m):
 def test_messages_are_received_in_the_order_they_were_sent():
     # NCCL matches a pair's messages in send order. DualPipeV at p = 4 sends rank 1 chunk 0's activations
     # and chunk 1's gradients over one link in an order that rank 1's list does not receive them in;
-    # the runtime receives in the sender's order (runtime.arrival_order) and the test above runs it.
+    # the executor receives in the sender's order (messages.arrival_order) and the test above runs it.
     schedule = build("dualpipev", 4, 8, 2)
-    sent = runtime.arrival_order(schedule, 0, 1)
+    sent = messages.arrival_order(schedule, 0, 1)
     needed = [
         (a.op[-1], a.microbatch, a.stage - 1 if a.op == "RECV_F" else a.stage + 1)
         for a in schedule.actions[1]
@@ -261,6 +263,6 @@ def test_messages_are_received_in_the_order_they_were_sent():
     assert sorted(sent) == sorted(needed) and sent != needed, "the same messages, in another order"
     for name in ("gpipe", "1f1b", "interleaved", "zb-h1"):  # these need them in the order they are sent
         s = build(name, 4, 8, V[name])
-        assert runtime.arrival_order(s, 0, 1) == [
+        assert messages.arrival_order(s, 0, 1) == [
             (a.op[-1], a.microbatch, a.stage - 1) for a in s.actions[1] if a.op == "RECV_F"
         ], name

@@ -41,7 +41,7 @@ from course_lib.dist.mesh import Mesh
 from course_lib.dist.runtime import require_on_device
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.expert.layer import ExpertParallelMoE, expert_parallel, expert_params
-from course_lib.parallel.pipeline import runtime, schedules
+from course_lib.parallel.pipeline import executor, schedules
 from course_lib.parallel.pipeline.stages import Stage, split
 from course_lib.parallel.tensor.layers import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
 from course_lib.parallel.tensor.model import TPBlock
@@ -175,7 +175,7 @@ class Composed:
         m = self.layout.m
         xs, ys = list(x.chunk(m)), list(y.chunk(m))
         tp = self.mesh.group("tp")
-        result = runtime.run_step(
+        result = executor.run_step(
             self.schedule,
             {self.mesh.rank("pp"): self.stage},
             xs,

@@ -7,7 +7,7 @@ lab, and course_lib has them all (given here, read their docstrings):
 
     course_lib.parallel.pipeline.stages.split(model, pp, uniform=True)   the model cut into stages
     course_lib.parallel.pipeline.schedules.build("1f1b", pp, m)         a schedule's action lists
-    course_lib.parallel.pipeline.runtime.run_step(schedule, ...)        one pipelined forward+backward
+    course_lib.parallel.pipeline.executor.run_step(schedule, ...)       one pipelined forward+backward
     course_lib.parallel.tensor.model.TPBlock.from_dense(block, group)    a block split over a TP group
     course_lib.parallel.tensor.layers: VocabParallelEmbedding, ColumnParallelLinear (``from_dense``),
                                        vocab_parallel_cross_entropy(logits, targets, group)
@@ -40,7 +40,7 @@ from course_lib.dist import intercept
 from course_lib.model.config import ModelConfig
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.compose import Layout
-from course_lib.parallel.pipeline import runtime, schedules
+from course_lib.parallel.pipeline import executor, schedules
 from course_lib.parallel.pipeline.stages import Stage, split
 from course_lib.parallel.tensor.layers import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
 from course_lib.parallel.tensor.model import TPBlock
@@ -190,7 +190,7 @@ def step(part: Part, tokens: torch.Tensor, targets: torch.Tensor) -> float | Non
     """Forward and backward of one global batch ``tokens``, ``targets`` [G, S] (the same on every rank).
 
     1. Replica d takes rows [d·G/dp, (d+1)·G/dp) and cuts them into m micro-batches (``chunk``).
-    2. ``runtime.run_step`` runs the schedule over the pp group with this rank's stage; the loss is
+    2. ``executor.run_step`` runs the schedule over the pp group with this rank's stage; the loss is
        the vocabulary-parallel cross-entropy over the tp group; the hidden state between stages is
        [G/(dp·m), S, d_model]. run_step divides each micro-batch's loss by m before its backward, so
        the gradients are those of the replica's mean loss.
@@ -207,7 +207,7 @@ def step(part: Part, tokens: torch.Tensor, targets: torch.Tensor) -> float | Non
     rows = part.global_batch // ly.dp
     x, y = tokens[d * rows : (d + 1) * rows], targets[d * rows : (d + 1) * rows]
     tp, dp = part.groups["tp"], part.groups["dp"]
-    result = runtime.run_step(
+    result = executor.run_step(
         part.schedule,
         {part.coords[1]: part.stage},
         list(x.chunk(ly.m)),

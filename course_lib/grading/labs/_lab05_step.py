@@ -1,7 +1,7 @@
 """Lab 05's runtime rows: one training step of the course model from a schedule, by course_lib's runtime.
 
 lab05_pipeline.py checks the learner's lists on paper and builds the schedules; here each rank runs
-one step of each schedule with :func:`course_lib.parallel.pipeline.runtime.run_step` and the
+one step of each schedule with :func:`course_lib.parallel.pipeline.executor.run_step` and the
 non-pipelined model's step on the same micro-batches (:func:`_step`, launched on p ranks), and
 :func:`_assert_step` compares: every loss and gradient bit for bit, the activations in flight and
 the bytes sent with the formulas of course_lib.cost.pipeline. Bit-equality is fair: each
@@ -16,7 +16,7 @@ from course_lib.cost.pipeline import in_flight_microbatches, p2p_bytes_per_step
 from course_lib.dist import counter, device
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer, next_token_loss
-from course_lib.parallel.pipeline import runtime, stages
+from course_lib.parallel.pipeline import executor, stages
 from course_lib.parallel.pipeline.schedules import Schedule
 
 BATCH, SEQ = 2, 16  # one micro-batch: 2 sequences of 16 tokens
@@ -48,7 +48,7 @@ def _step(schedules: list[Schedule], seed: int = 0) -> list[dict]:
         tokens = tokens.to(device())
         xs, ys = tokens[:, :, :-1], tokens[:, :, 1:]
         with counter.count() as c:
-            result = runtime.run_step(schedule, mine, xs, ys, next_token_loss, (BATCH, SEQ, cfg.d_model))
+            result = executor.run_step(schedule, mine, xs, ys, next_token_loss, (BATCH, SEQ, cfg.d_model))
         ref_losses = {}
         for i in range(schedule.m):  # the whole model on the same micro-batches: the mean loss of the step
             loss = reference.loss(xs[i], ys[i])

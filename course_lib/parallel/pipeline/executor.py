@@ -1,74 +1,198 @@
-"""Execute a pipeline schedule over torch.distributed point-to-point: one training step.
+"""The pipeline executor: one training step, this rank walking its action list of a schedule.
 
-Each rank walks its action list from :mod:`course_lib.parallel.pipeline.schedules`:
+A schedule (:mod:`course_lib.parallel.pipeline.schedules`) cuts the model into ``p·v`` stages on
+``p`` ranks (``v`` stages per rank) and feeds ``m`` micro-batches through them (the symbols of
+Narayanan et al. 2021, *Efficient Large-Scale Language Model Training on GPU Clusters*, §2.2). Each
+action of a rank's list is one of these, and each has one handler below, to be read on its own:
 
-    F       run the stage on the micro-batch (tokens on stage 0, the received or local hidden state
-            elsewhere); the last stage computes the loss divided by m, so that the gradients summed
-            over the m micro-batches are those of the mean loss of the whole batch
-    B       backward through the stage from the received gradient (from the loss on the last stage)
-    I, W    the same backward in two passes: first to the stage's input only (what the previous
-            stage waits for), later to the weights (what nobody waits for). Here W runs autograd a
-            second time from the stage's output, so its gradients are exact but it re-does part of
-            I's work; torch.distributed.pipelining keeps I's intermediate gradients instead.
-    SEND_*  ``dist.isend``, posted together with this rank's next receive (below); completed
-            before the step returns
-    RECV_*  ``dist.irecv``, waited for at once. NCCL ignores tags and matches a pair's messages in
-            the order they were sent, and a schedule may need them in another order (DualPipeV at
-            p >= 3: a rank sends chunk 0's activations and chunk 1's gradients down the same link).
-            So a rank receives each neighbour's messages in *the sender's* order — every rank knows
-            every list — and keeps the ones that come early until their action needs them. Each
-            message also carries a tag per (kind, micro-batch, stage), which gloo checks.
+    F       forward of micro-batch i on stage s: tokens on stage 0, the received (or local) hidden
+            state elsewhere; the last stage computes the loss divided by m, so that the gradients
+            summed over the m micro-batches are those of the mean loss of the whole batch
+    B       backward of (i, s) from the received gradient (from the loss on the last stage):
+            gradients of the stage's input and of its weights in one pass
+    I, W    the same backward in two passes (Qi et al. 2023, *Zero Bubble Pipeline Parallelism*,
+            §2): I to the stage's input only (what the previous stage waits for), W later to the
+            weights (what nobody waits for). Here W runs autograd a second time from the stage's
+            output, so its gradients are exact but it re-does part of I's work;
+            torch.distributed.pipelining keeps I's intermediate gradients instead
+    SEND_F  stage s's output for stage s + 1 on another rank       } when each is posted, so that
+    SEND_B  stage s's input gradient for stage s - 1 on another rank} no backend deadlocks: one place,
+    RECV_*  wait until that message is here                        } :mod:`...pipeline.messages`
 
-A send that a receive follows goes out with it. In 1F1B's steady state two neighbours each send
-to the other and then receive from it (stage s sends F(i) and waits for B(j); stage s+1 sends B(j)
-and waits for F(i+1)): a *crossing* pair. Gloo buffers the sends, but under NCCL a send kernel
-waits for its receive, and both receives would queue behind the sends on the same stream: a
-deadlock once the message is larger than NCCL's eager buffer. So a send is held until the rank's
-next receive or compute action: every held send and that receive are posted as one
-``dist.batch_isend_irecv`` (one NCCL group, see :mod:`course_lib.dist.p2p`; torch.distributed.
-pipelining's 1F1B fuses its sends and receives the same way), and before a compute action the held
-sends are posted alone — as early as an immediate ``isend``, so the pipeline's timing is unchanged.
-Every pair's messages keep their order. The calls are the same ``isend`` / ``irecv`` with the same
-tags (``p2p.exchange`` takes one tag per batch, so the batch is built here with each message's
-own), and on gloo the numbers are bit for bit those of a blocking receive.
+Between stages on the same rank (the interleaved schedule's chunks, the tip of DualPipeV's V) the
+tensor is handed over in memory, through the same inbox the received messages land in. A stage's
+saved input and output are dropped by its last backward action for that micro-batch (B, or W): the
+activations freed, which ``peak_in_flight`` counts. An optional ``observer`` sees each forward and
+each release: :class:`course_lib.measure.stage_activations.StageActivationMeter` counts the bytes
+autograd saves with it (the executor itself measures nothing).
 
-A stage's saved input and output are dropped when its last backward action for that micro-batch
-has run: that is the moment its activations are freed, and ``peak_in_flight`` counts them.
+Tested in tests/test_pipeline.py (every schedule's losses and gradients bit for bit those of the
+unpipelined model and of torch.distributed.pipelining, at p = 2 and 4) and by the grader checks of
+course_lib/grading/labs/lab05_pipeline.py (_lab05_step.py), run through tests/test_lab_checks.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from course_lib.dist import trace
-from course_lib.parallel.pipeline.schedules import RECV_B, RECV_F, SEND_B, SEND_F, B, F, I, Schedule, W
+from course_lib.parallel.pipeline.messages import Mailbox
+from course_lib.parallel.pipeline.schedules import COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, I, Schedule, W
 
 
 @dataclass
 class StepResult:
     losses: dict[int, float] = field(default_factory=dict)  # micro-batch -> loss (ranks with the last stage)
     peak_in_flight: int = 0  # most (micro-batch, stage) activations held at once on this rank
-    peak_activation_bytes: int = 0  # most bytes autograd kept saved for backward at once on this rank
-    activation_bytes: dict[int, int] = field(default_factory=dict)  # stage -> bytes one micro-batch saves
 
 
-def arrival_order(schedule: Schedule, src: int, dst: int) -> list[tuple[str, int, int]]:
-    """The messages rank ``src`` sends to rank ``dst``, in the order it sends them:
-    ("F" | "B", micro-batch, the sending stage)."""
-    out = []
-    for a in schedule.actions[src]:
-        if a.op in (SEND_F, SEND_B) and schedule.placement[a.stage + (1 if a.op == SEND_F else -1)] == dst:
-            out.append((a.op[-1], a.microbatch, a.stage))
-    return out
+class StepObserver(Protocol):
+    """What an instrument may watch: each forward (as a context around it) and each release."""
+
+    def forward(self, microbatch: int, stage: int) -> contextlib.AbstractContextManager: ...
+
+    def freed(self, microbatch: int, stage: int) -> None: ...
 
 
-def _tag(kind: str, microbatch: int, stage: int, n_stages: int) -> int:
-    return 2 * (microbatch * n_stages + stage) + (kind == "B")
+@dataclass
+class _Step:
+    """The state of one step on this rank, shared by the handlers."""
+
+    schedule: Schedule
+    rank: int
+    stages: dict[int, nn.Module]
+    microbatches: Sequence[torch.Tensor]
+    targets: Sequence[torch.Tensor]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    device: torch.device
+    mailbox: Mailbox
+    observer: StepObserver | None
+    result: StepResult = field(default_factory=StepResult)
+    # ("F" | "B", micro-batch, the stage it is for) -> tensor, received or handed over on this rank;
+    # ("dx", micro-batch, stage) -> an input gradient waiting for its SEND_B
+    inbox: dict[tuple, torch.Tensor] = field(default_factory=dict)
+    saved: dict[tuple, tuple] = field(default_factory=dict)  # (micro-batch, stage) -> (input, output[, grad])
+
+    def observe(self, microbatch: int, stage: int) -> contextlib.AbstractContextManager:
+        return self.observer.forward(microbatch, stage) if self.observer else contextlib.nullcontext()
+
+    def free(self, key: tuple[int, int]) -> None:
+        if self.observer:
+            self.observer.freed(*key)
+
+
+# ----------------------------------------------------------------------------- the handlers
+
+
+def _forward(step: _Step, a: Action) -> None:
+    """F: run stage s on micro-batch i; keep its input and output for the backward. On the last
+    stage the output is the loss / m; an output for a stage on this rank goes to the inbox."""
+    key, s, last = (a.microbatch, a.stage), a.stage, step.schedule.n_stages - 1
+    with trace.span("F", mb=a.microbatch, stage=s), step.observe(*key):
+        if s == 0:
+            x = step.microbatches[a.microbatch].to(step.device)
+        else:
+            x = step.inbox.pop(("F", *key)).detach().requires_grad_()
+        y = step.stages[s](x)
+        if s == last:
+            loss = step.loss_fn(y, step.targets[a.microbatch].to(step.device))
+            step.result.losses[a.microbatch] = loss.item()
+            y = loss / step.schedule.m
+        elif step.schedule.placement[s + 1] == step.rank:
+            step.inbox["F", a.microbatch, s + 1] = y.detach()
+    step.saved[key] = (x, y)
+    step.result.peak_in_flight = max(step.result.peak_in_flight, len(step.saved))
+
+
+def _output_gradient(step: _Step, a: Action) -> torch.Tensor | None:
+    """The gradient a backward of (i, s) starts from: received from stage s + 1 (None on the last
+    stage, whose output is the loss)."""
+    return None if a.stage == step.schedule.n_stages - 1 else step.inbox.pop(("B", a.microbatch, a.stage))
+
+
+def _pass_input_gradient(step: _Step, a: Action, x: torch.Tensor) -> None:
+    """Leave dL/dx of (i, s) for stage s - 1: in the inbox if this rank holds it, else for SEND_B."""
+    if a.stage > 0:
+        local = step.schedule.placement[a.stage - 1] == step.rank
+        step.inbox[("B", a.microbatch, a.stage - 1) if local else ("dx", a.microbatch, a.stage)] = x.grad
+
+
+def _backward(step: _Step, a: Action) -> None:
+    """B: backward of (i, s), to the input and the weights at once; its activations are freed."""
+    key = (a.microbatch, a.stage)
+    x, y = step.saved.pop(key)
+    step.free(key)
+    grad = _output_gradient(step, a)
+    with trace.span(B, mb=a.microbatch, stage=a.stage):
+        torch.autograd.backward(y, grad)
+    _pass_input_gradient(step, a, x)
+
+
+def _backward_input(step: _Step, a: Action) -> None:
+    """I: backward of (i, s) to the stage's input only, keeping the graph for W. Stage 0's input is
+    tokens: nothing to differentiate, so its W does all the work."""
+    key = (a.microbatch, a.stage)
+    x, y = step.saved[key]
+    grad = _output_gradient(step, a)
+    with trace.span(I, mb=a.microbatch, stage=a.stage):
+        if a.stage > 0:
+            torch.autograd.backward(y, grad, inputs=[x], retain_graph=True)
+    step.saved[key] = (x, y, grad)
+    _pass_input_gradient(step, a, x)
+
+
+def _backward_weights(step: _Step, a: Action) -> None:
+    """W: backward of (i, s) to the stage's weights, from the output gradient I used; the
+    activations are freed."""
+    key = (a.microbatch, a.stage)
+    _, y, grad = step.saved.pop(key)
+    step.free(key)
+    params = [p for p in step.stages[a.stage].parameters() if p.requires_grad]
+    with trace.span(W, mb=a.microbatch, stage=a.stage):
+        torch.autograd.backward(y, grad, inputs=params)
+
+
+def _send_activation(step: _Step, a: Action) -> None:
+    """SEND_F: stage s's output of micro-batch i, for stage s + 1 on another rank."""
+    step.mailbox.send("F", step.saved[(a.microbatch, a.stage)][1].detach(), a.microbatch, a.stage)
+
+
+def _send_gradient(step: _Step, a: Action) -> None:
+    """SEND_B: the gradient of stage s's input for micro-batch i, for stage s - 1 on another rank."""
+    step.mailbox.send("B", step.inbox.pop(("dx", a.microbatch, a.stage)), a.microbatch, a.stage)
+
+
+def _receive(step: _Step, a: Action) -> None:
+    """RECV_F / RECV_B: wait until the activation from stage s - 1 (F) or the gradient from stage
+    s + 1 (B) of micro-batch i is in the inbox. Messages arrive in their sender's order: those that
+    come first wait in the inbox for their own action."""
+    kind = a.op[-1]
+    sender = step.schedule.placement[a.stage - 1 if kind == F else a.stage + 1]
+    while (kind, a.microbatch, a.stage) not in step.inbox:
+        key, tensor = step.mailbox.receive_next(sender)
+        step.inbox[key] = tensor
+
+
+HANDLERS: dict[str, Callable[[_Step, Action], None]] = {
+    F: _forward,
+    B: _backward,
+    I: _backward_input,
+    W: _backward_weights,
+    SEND_F: _send_activation,
+    SEND_B: _send_gradient,
+    RECV_F: _receive,
+    RECV_B: _receive,
+}
+
+
+# ----------------------------------------------------------------------------- the step
 
 
 def run_step(
@@ -80,11 +204,14 @@ def run_step(
     hidden_shape: tuple[int, ...],
     dtype: torch.dtype = torch.float32,
     group=None,
+    observer: StepObserver | None = None,
 ) -> StepResult:
     """Run this rank's actions of ``schedule``; ``stages`` maps each stage index it holds to its module.
 
     ``hidden_shape`` is one micro-batch's hidden state, [batch, seq, d_model]: what a receiver
-    allocates. Gradients accumulate in the stages' ``.grad``, as with a plain backward.
+    allocates. Gradients accumulate in the stages' ``.grad``, as with a plain backward. ``group``:
+    the pipeline's process group (ranks of the schedule are ranks in it); ``observer``: an
+    instrument that watches each forward and each release of activations (:class:`StepObserver`).
     """
     rank = dist.get_rank(group)
     mine = schedule.stages_of(rank)
@@ -94,131 +221,14 @@ def run_step(
         raise ValueError(
             f"the schedule has m={schedule.m} micro-batches; got {len(microbatches)} inputs and {len(targets)} targets"
         )
-    n, m = schedule.n_stages, schedule.m
     device = next(stages[mine[0]].parameters()).device
-
-    def peer(stage: int) -> int:
-        r = schedule.placement[stage]
-        return dist.get_global_rank(group, r) if group is not None else r
-
-    inbox: dict[tuple, torch.Tensor] = {}  # ("F" | "B", micro-batch, stage it is for) -> tensor
-    saved: dict[tuple, tuple] = {}  # (micro-batch, stage) -> (input, output)
-    held: dict[tuple, int] = {}  # (micro-batch, stage) -> bytes autograd saved in its forward
-    weights = {p.untyped_storage()._cdata for st in stages.values() for p in st.parameters()}
-    weights |= {b.untyped_storage()._cdata for st in stages.values() for b in st.buffers()}
-
-    def counting(key: tuple):
-        """Count the distinct storages autograd saves for backward (weights and RoPE tables are not activations)."""
-        storages: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            st = t.untyped_storage()
-            if st._cdata not in weights:
-                storages[st._cdata] = st.nbytes()
-            held[key] = sum(storages.values())
-            return t
-
-        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-
-    outbox: list[dist.P2POp] = []  # sends not posted yet: they go with the next receive (module doc)
-    posted: list = []  # every batch's works, waited for before the step returns
-
-    def post(receive: dist.P2POp | None = None) -> None:
-        """Post the held sends and ``receive`` as one batch; wait for the receive, keep the rest."""
-        ops = [*outbox, *([receive] if receive is not None else [])]
-        outbox.clear()
-        works = dist.batch_isend_irecv(ops) if ops else []
-        if receive is not None:  # its work is the last: gloo returns one per op, NCCL one for the batch
-            works.pop().wait()  # (a gloo work must not be waited for twice: the second wait never returns)
-        posted.extend(works)
-
-    result = StepResult()
-    arrivals = {src: arrival_order(schedule, src, rank) for src in range(schedule.p) if src != rank}
-    for a in schedule.actions[rank]:
-        key, s = (a.microbatch, a.stage), a.stage
-        if a.op not in (SEND_F, SEND_B, RECV_F, RECV_B):
-            post()  # compute next: the held sends leave now, as early as an isend would have
-        if a.op in (RECV_F, RECV_B):
-            kind, src = a.op[-1], s - 1 if a.op == RECV_F else s + 1
-            sender = schedule.placement[src]
-            while (kind, a.microbatch, s) not in inbox:  # receive in the sender's order until ours is in
-                k, mb, their = arrivals[sender].pop(0)
-                t = torch.empty(hidden_shape, dtype=dtype, device=device)
-                post(dist.P2POp(dist.irecv, t, peer(their), group, _tag(k, mb, their, n)))
-                inbox[(k, mb, their + 1 if k == "F" else their - 1)] = t
-        elif a.op == F:
-            with trace.span("F", mb=a.microbatch, stage=s), counting(key):
-                if s == 0:
-                    x = microbatches[a.microbatch].to(device)
-                else:
-                    x = inbox.pop(("F", *key)).detach().requires_grad_()
-                y = stages[s](x)
-                if s == n - 1:
-                    loss = loss_fn(y, targets[a.microbatch].to(device))
-                    result.losses[a.microbatch] = loss.item()
-                    y = loss / m
-                elif schedule.placement[s + 1] == rank:
-                    inbox["F", a.microbatch, s + 1] = y.detach()
-            saved[key] = (x, y)
-            result.peak_in_flight = max(result.peak_in_flight, len(saved))
-            result.activation_bytes[s] = held.get(key, 0)
-            result.peak_activation_bytes = max(result.peak_activation_bytes, sum(held.values()))
-        elif a.op == SEND_F:
-            outbox.append(dist.P2POp(dist.isend, saved[key][1].detach(), peer(s + 1), group, _tag("F", *key, n)))
-        elif a.op in (B, I):
-            x, y = saved[key] if a.op == I else saved.pop(key)
-            if a.op == B:
-                held.pop(key, None)  # the backward frees what the forward saved
-            grad = None if s == n - 1 else inbox.pop(("B", *key))
-            with trace.span(a.op, mb=a.microbatch, stage=s):
-                if a.op == B:
-                    torch.autograd.backward(y, grad)
-                elif s > 0:  # I on stage 0 has no input to differentiate: W does all the work
-                    torch.autograd.backward(y, grad, inputs=[x], retain_graph=True)
-            if a.op == I:
-                saved[key] = (x, y, grad)
-            if s > 0:  # the gradient of the stage's input, for the previous stage: sent, or kept here
-                local = schedule.placement[s - 1] == rank
-                inbox[("B", a.microbatch, s - 1) if local else ("dx", *key)] = x.grad
-        elif a.op == W:
-            x, y, grad = saved.pop(key)
-            held.pop(key, None)
-            params = [p for p in stages[s].parameters() if p.requires_grad]
-            with trace.span("W", mb=a.microbatch, stage=s):
-                torch.autograd.backward(y, grad, inputs=params)
-        elif a.op == SEND_B:
-            dx = inbox.pop(("dx", *key))
-            outbox.append(dist.P2POp(dist.isend, dx, peer(s - 1), group, _tag("B", *key, n)))
-        else:
-            raise ValueError(f"unknown action {a!r}")
-    post()  # the last sends: no receive left to pair them with
-    for work in posted:
-        work.wait()
-    return result
-
-
-def tied_group(schedule: Schedule):
-    """The process group of the first and the last stage's ranks, for tied embeddings (collective:
-    every rank calls it, in the same order); None when one rank holds both."""
-    ranks = sorted({schedule.placement[0], schedule.placement[-1]})
-    return dist.new_group(ranks) if len(ranks) == 2 else None
-
-
-def sum_tied_gradients(schedule: Schedule, stages: dict[int, nn.Module], group) -> None:
-    """With tied embeddings the first stage's embedding and the last stage's output layer are two
-    copies of one matrix: give both the sum of their gradients (call after the step's backward)."""
-    last = schedule.n_stages - 1
-    ends = [stages[s] for s in (0, last) if s in stages]
-    if not ends or not ends[0].tied:
-        return
-    weights = [stages[0].tok_embeddings.weight] if 0 in stages else []
-    weights += [stages[last].output.weight] if last in stages else []
-    for w in weights:
-        if w.grad is None:
-            w.grad = torch.zeros_like(w)
-    if len(weights) == 2:  # one rank holds both ends
-        total = weights[0].grad + weights[1].grad
-        for w in weights:
-            w.grad.copy_(total)
-    else:
-        dist.all_reduce(weights[0].grad, group=group)
+    mailbox = Mailbox(schedule, rank, group, hidden_shape, dtype, device)
+    step = _Step(schedule, rank, stages, microbatches, targets, loss_fn, device, mailbox, observer)
+    for action in schedule.actions[rank]:
+        if action.op not in HANDLERS:
+            raise ValueError(f"unknown action {action!r}")
+        if action.op in COMPUTE:
+            mailbox.post()  # the held sends leave before this rank computes (messages.py, rule 2)
+        HANDLERS[action.op](step, action)
+    mailbox.close()
+    return step.result

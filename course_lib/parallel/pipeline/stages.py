@@ -8,8 +8,10 @@ or whatever the caller measured (seconds per block on this machine, say).
 
 Every rank builds the whole model from the same seed and keeps only its stages, so a stage starts
 from exactly the weights of the non-pipelined model. With tied embeddings the first and the last
-stage each hold a copy of the shared matrix; the runtime sums their gradients after the backward
-pass (Megatron-LM's "embedding group"), which keeps the two copies equal.
+stage each hold a copy of the shared matrix; :func:`sum_tied_gradients` gives both the sum of their
+gradients after the backward pass (Megatron-LM's "embedding group"), which keeps the two copies equal.
+
+Tested in tests/test_pipeline.py (balance, split, tied embeddings kept in sync).
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import copy
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from course_lib.model.transformer import Transformer
+from course_lib.parallel.pipeline.schedules import Schedule
 
 
 def balance(block_costs: Sequence[float], n_stages: int, first: float = 0.0, last: float = 0.0) -> list[range]:
@@ -109,3 +113,30 @@ def split(
         first = last = 0.0
     runs = balance(block_costs, n_stages, first, last)
     return [Stage(model, s, n_stages, run) for s, run in enumerate(runs)]
+
+
+def tied_group(schedule: Schedule):
+    """The process group of the first and the last stage's ranks, for tied embeddings (collective:
+    every rank calls it, in the same order); None when one rank holds both."""
+    ranks = sorted({schedule.placement[0], schedule.placement[-1]})
+    return dist.new_group(ranks) if len(ranks) == 2 else None
+
+
+def sum_tied_gradients(schedule: Schedule, stages: dict[int, nn.Module], group) -> None:
+    """With tied embeddings the first stage's embedding and the last stage's output layer are two
+    copies of one matrix: give both the sum of their gradients (call after the step's backward)."""
+    last = schedule.n_stages - 1
+    ends = [stages[s] for s in (0, last) if s in stages]
+    if not ends or not ends[0].tied:
+        return
+    weights = [stages[0].tok_embeddings.weight] if 0 in stages else []
+    weights += [stages[last].output.weight] if last in stages else []
+    for w in weights:
+        if w.grad is None:
+            w.grad = torch.zeros_like(w)
+    if len(weights) == 2:  # one rank holds both ends
+        total = weights[0].grad + weights[1].grad
+        for w in weights:
+            w.grad.copy_(total)
+    else:
+        dist.all_reduce(weights[0].grad, group=group)
