@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = "solutions/capstone/run.py"
+SCRIPT = "examples/composed_training/run.py"
 
 
 def _results(stdout: str) -> list[str]:

@@ -59,8 +59,10 @@ TIMER_HOME = "course_lib/dist/timing.py"
 
 
 def rank_side_files(root: Path = ROOT) -> list[Path]:
-    """The code a rank runs: the library (graders included), the solutions, labs' entry scripts, benchmarks."""
+    """The code a rank runs: the library (graders included), the solutions, labs' entry scripts, the examples,
+    benchmarks."""
     files = [*root.glob("course_lib/**/*.py"), *root.glob("solutions/**/*.py"), *root.glob("benchmarks/*.py")]
+    files += root.glob("examples/**/*.py")
     files += root.glob("labs/*/run.py")
     return sorted(p for p in files if not any(p.relative_to(root).as_posix().startswith(d) for d in EXEMPT_DIRS))
 

@@ -236,7 +236,7 @@ def test_moe_against_dense_of_equal_active_parameters():
 
 def test_expert_run_under_accelerate_launch(accelerate_launch):
     out = accelerate_launch(
-        "solutions/expert/run.py", "--steps", 3, config="solutions/accelerate/expert_cpu.yaml", timeout=240
+        "examples/expert_parallel/run.py", "--steps", 3, config="solutions/accelerate/expert_cpu.yaml", timeout=240
     )
     assert "expert parallel over ep=2 ranks" in out.stdout, out.stdout
     assert "loss equals one rank's" in out.stdout, out.stdout

@@ -8,6 +8,7 @@
 * :mod:`~course_lib.dist.trace`   — per-rank timeline of compute and communication spans.
 * :mod:`~course_lib.dist.census`  — bytes of the storages a rank holds (parameters, gradients, state).
 * :mod:`~course_lib.dist.ordered` — an all-reduce that adds the ranks' tensors in rank order (deterministic).
+* :mod:`~course_lib.dist.script`  — the frame of a script under ``accelerate launch`` (the labs' run.py).
 """
 
 from course_lib.dist import counter, trace

@@ -9,15 +9,15 @@ All ranks form one tensor-parallel group and read the same batches; the dense tw
 same seed and trained on every rank, so the two loss curves can be compared line by line.
 """
 
-import argparse
-import os
-import sys
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from course_lib import dist as cdist
+from course_lib.data import MarkovLanguage, make_dataset
+from course_lib.dist import counter, script
+from course_lib.model.tokenizer import VOCAB_SIZE
+
 from tensor_parallel import (
     ColumnParallelLinear,
     DenseMLP,
@@ -25,11 +25,6 @@ from tensor_parallel import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
-
-from course_lib import dist as cdist
-from course_lib.data import MarkovLanguage, make_dataset
-from course_lib.dist import counter, trace
-from course_lib.model.tokenizer import VOCAB_SIZE
 
 
 class DenseLM(nn.Module):
@@ -59,9 +54,9 @@ class ParallelLM(nn.Module):
 
 def run(args) -> None:
     """Everything after init, on every rank (main records it with ``--trace``)."""
-    rank, t, dev = dist.get_rank(), dist.get_world_size(), cdist.device()
+    t, dev = dist.get_world_size(), cdist.device()
     group = dist.group.WORLD
-    say = print if rank == 0 else (lambda *a, **k: None)
+    say = script.print_on(0)
     say(f"tensor parallel over {t} ranks, backend {cdist.backend()}, device {dev}")
 
     torch.manual_seed(0)
@@ -96,20 +91,10 @@ def run(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = script.parser(__doc__)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--d-model", type=int, default=64)
-    parser.add_argument(
-        "--trace",
-        metavar="PATH",
-        help="write every rank's timeline to PATH as one Chrome trace (open it in ui.perfetto.dev)",
-    )
-    args = parser.parse_args()
-
-    cdist.init()  # reads RANK/WORLD_SIZE/MASTER_* that accelerate launch set
-    with trace.to_file(args.trace):  # None: records nothing
-        run(args)
-    cdist.shutdown()
+    script.main(run, parser)
 
 
 if __name__ == "__main__":

@@ -11,30 +11,25 @@ The pipeline has as many ranks as were launched, p; ``--v 2`` runs your interlea
    backward 2), drawn as one line per rank, with the bubble and the activations in flight beside
    the formulas of Narayanan et al. 2021, §2.2.
 2. For real: the course model ("tiny", p·v blocks) cut into p·v stages, trained for a few steps by
-   course_lib's runtime walking your lists, while every rank also trains the whole model on the same
+   course_lib's executor walking your lists, while every rank also trains the whole model on the same
    micro-batches with the same AdamW. A schedule changes when each piece of work runs, never what
    is computed: the losses and the weights stay equal bit for bit.
 """
 
-import argparse
-import os
-import sys
-
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pipeline_parallel import build_schedule
 
 from course_lib import dist as cdist
 from course_lib.cost.pipeline import bubble_fraction, in_flight_microbatches, p2p_bytes_per_step
 from course_lib.data import MarkovLanguage, make_dataset
-from course_lib.dist import counter, trace
-from course_lib.model import config as configs
+from course_lib.dist import counter, script
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer, next_token_loss
-from course_lib.parallel.pipeline import runtime, stages
+from course_lib.parallel.pipeline import executor, stages
 from course_lib.parallel.pipeline.schedules import check
 from course_lib.parallel.pipeline.simulate import Deadlock, simulate
+
+from pipeline_parallel import build_schedule
 
 
 def timeline(sim) -> list[str]:
@@ -89,7 +84,7 @@ def run(args) -> str | None:
         schedule = build_schedule(p, m, v)
     except NotImplementedError as e:
         return f"not implemented yet: {e} (./course grade lab05 says what is missing)"
-    say = print if rank == schedule.placement[-1] else (lambda *a, **k: None)  # the rank that sees the losses
+    say = script.print_on(schedule.placement[-1])  # the rank that sees the losses
     kind = "1F1B" if v == 1 else f"interleaved 1F1B, v={v}"
     say(f"{kind} over p={p} ranks, m={m} micro-batches of {b}x{t} tokens, backend {cdist.backend()}, device {dev}")
 
@@ -115,7 +110,7 @@ def run(args) -> str | None:
     for step, (x, y) in enumerate(data.batches(m * b, seed=0)):
         xs, ys = x.reshape(m, b, t).to(dev), y.reshape(m, b, t).to(dev)
         with counter.count() as sent:
-            result = runtime.run_step(schedule, mine, xs, ys, next_token_loss, (b, t, cfg.d_model))
+            result = executor.run_step(schedule, mine, xs, ys, next_token_loss, (b, t, cfg.d_model))
         opt_mine.step()
         opt_mine.zero_grad()
         losses = []
@@ -158,25 +153,13 @@ def run(args) -> str | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = script.parser(__doc__)
     parser.add_argument("--v", type=int, default=1, help="stages (chunks) per rank: 1 is 1F1B, 2 or more interleaved")
     parser.add_argument("--microbatches", type=int, default=8, help="m, micro-batches per step")
     parser.add_argument("--batch", type=int, default=4, help="sequences per micro-batch")
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument(
-        "--trace",
-        metavar="PATH",
-        help="write every rank's timeline to PATH as one Chrome trace (open it in ui.perfetto.dev)",
-    )
-    args = parser.parse_args()
-
-    cdist.init()  # reads RANK/WORLD_SIZE/MASTER_* that accelerate launch set
-    with trace.to_file(args.trace):  # None: records nothing
-        stop = run(args)
-    cdist.shutdown()
-    if stop:
-        raise SystemExit(stop)
+    script.main(run, parser)
 
 
 if __name__ == "__main__":

@@ -11,21 +11,17 @@ teacher network, without and with your balancing loss, and prints the busiest ex
 against the mean load of all experts.
 """
 
-import argparse
-import os
-import sys
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import mixture_of_experts as lab
-
 from course_lib import dist as cdist
-from course_lib.dist import counter, trace
+from course_lib.dist import counter, script
 from course_lib.model.moe import Expert, routed_experts
+
+import mixture_of_experts as lab
 
 # torch.distributed.nn.functional.all_to_all_single is marked deprecated in favour of a private module;
 # it is the public all-to-all whose backward is the reverse all-to-all, which is what the lab needs.
@@ -86,7 +82,7 @@ def train(args, coef: float, n: int, rank: int) -> list[tuple[float, float]]:
 def run(args) -> None:
     """Everything after init, on every rank (main records it with ``--trace``)."""
     rank, n = dist.get_rank(), dist.get_world_size()
-    say = print if rank == 0 else (lambda *a, **k: None)
+    say = script.print_on(0)
     e, k, t, d = args.experts, args.top_k, args.tokens, args.d_model
     say(
         f"{n} ranks, backend {cdist.backend()}; E={e} experts ({e // n} per rank), top-{k}, "
@@ -140,7 +136,7 @@ def run(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = script.parser(__doc__)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--capacity-factor", type=float, default=1.25)
@@ -149,17 +145,7 @@ def main() -> None:
     parser.add_argument("--d-ff", type=int, default=32)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--aux-coef", type=float, default=0.1)
-    parser.add_argument(
-        "--trace",
-        metavar="PATH",
-        help="write every rank's timeline to PATH as one Chrome trace (open it in ui.perfetto.dev)",
-    )
-    args = parser.parse_args()
-
-    cdist.init()  # reads RANK/WORLD_SIZE/MASTER_* that accelerate launch set
-    with trace.to_file(args.trace):  # None: records nothing
-        run(args)
-    cdist.shutdown()
+    script.main(run, parser)
 
 
 if __name__ == "__main__":

@@ -13,21 +13,16 @@ share, gradients averaged with an all-reduce — and the script prints both loss
 source's entropy rate, the floor no model can beat.
 """
 
-import argparse
-import os
-import sys
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import fp8 as lab
-
 from course_lib import dist as cdist
 from course_lib.data import MarkovLanguage
-from course_lib.dist import trace
+from course_lib.dist import script
+
+import fp8 as lab
 
 TOLERANCE = 0.25  # the grader's: the loss decrease within 25 % of bf16's (course_lib/grading/labs/lab08_fp8.py)
 
@@ -95,7 +90,7 @@ def train(args, fp8: bool, n: int, rank: int) -> list[float]:
 def run(args) -> None:
     """Everything after init, on every rank (main records it with ``--trace``)."""
     rank, n = dist.get_rank(), dist.get_world_size()
-    say = print if rank == 0 else (lambda *a, **k: None)
+    say = script.print_on(0)
     say(
         f"{n} ranks, backend {cdist.backend()}; FP8 recipe {args.recipe!r}, {args.steps} steps of "
         f"{n}·{args.batch} examples"
@@ -126,7 +121,7 @@ def run(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = script.parser(__doc__)
     parser.add_argument("--recipe", choices=("block", "tensor"), default="block")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch", type=int, default=256, help="examples per rank and step")
@@ -134,17 +129,7 @@ def main() -> None:
     parser.add_argument("--symbols", type=int, default=16)
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument(
-        "--trace",
-        metavar="PATH",
-        help="write every rank's timeline to PATH as one Chrome trace (open it in ui.perfetto.dev)",
-    )
-    args = parser.parse_args()
-
-    cdist.init()  # reads RANK/WORLD_SIZE/MASTER_* that accelerate launch set
-    with trace.to_file(args.trace):  # None: records nothing
-        run(args)
-    cdist.shutdown()
+    script.main(run, parser)
 
 
 if __name__ == "__main__":

@@ -13,25 +13,21 @@ step on this machine and prints it beside your predictions (not graded: timings 
 machine vary from run to run).
 """
 
-import argparse
 import copy
-import os
 import statistics
-import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import capstone as cap
-
 from course_lib import dist as cdist
 from course_lib.data import MarkovLanguage, make_dataset
-from course_lib.dist import counter, trace
+from course_lib.dist import counter, script
 from course_lib.dist.timing import clock
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.compose import dense_names
+
+import capstone as cap
 
 LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-6  # float32 sums in another order: see the README (and tests/test_compose.py)
 CANDIDATES = [
@@ -125,8 +121,8 @@ def measure(args, batches, say) -> dict:
 
 
 def run(args) -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    say = print if rank == 0 else (lambda *a, **k: None)
+    world = dist.get_world_size()
+    say = script.print_on(0)
     layout = cap.Layout(dp=args.dp, tp=args.tp, pp=args.pp, m=args.m)
     if layout.world_size != world:
         raise SystemExit(f"layout {layout} needs dp·tp·pp = {layout.world_size} ranks; {world} were launched")
@@ -161,7 +157,7 @@ def run(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = script.parser(__doc__)
     parser.add_argument("--dp", type=int, default=2)
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pp", type=int, default=2)
@@ -171,16 +167,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--measure", action="store_true", help="time every candidate layout's step (not graded)")
-    parser.add_argument(
-        "--trace",
-        metavar="PATH",
-        help="write every rank's timeline to PATH as one Chrome trace (open it in ui.perfetto.dev)",
-    )
-    args = parser.parse_args()
-    cdist.init()  # reads RANK/WORLD_SIZE/MASTER_* that accelerate launch set
-    with trace.to_file(args.trace):  # None: records nothing
-        run(args)
-    cdist.shutdown()
+    script.main(run, parser)
 
 
 if __name__ == "__main__":

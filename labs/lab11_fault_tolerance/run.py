@@ -11,21 +11,18 @@ of the parameters, AdamW's moments, the next batch and the next random numbers o
 A resumed run whose fingerprint equals the uninterrupted run's is bit-identical to it.
 """
 
-import argparse
 import hashlib
 import os
 import signal
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import resilient as lab
-
 from course_lib import dist as cdist
-from course_lib.dist import trace
+from course_lib.dist import script
+
+import resilient as lab
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,8 +53,8 @@ def kill_after(steps: int, victim: int) -> None:
 
 
 def run(args) -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    say = print if rank == 0 else (lambda *a, **k: None)
+    world = dist.get_world_size()
+    say = script.print_on(0)
     if args.kill_at is not None:
         kill_after(args.kill_at, args.victim)
     say(
@@ -74,7 +71,7 @@ def run(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = script.parser(__doc__)
     parser.add_argument("--root", type=Path, default=ROOT / "build" / "lab11" / "run", help="checkpoint folder")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--save-every", type=int, default=3)
@@ -82,17 +79,7 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint")
     parser.add_argument("--kill-at", type=int, metavar="STEP", help="a rank SIGKILLs itself after STEP steps")
     parser.add_argument("--victim", type=int, default=1, help="the rank --kill-at kills")
-    parser.add_argument(
-        "--trace",
-        metavar="PATH",
-        help="write every rank's timeline to PATH as one Chrome trace (open it in ui.perfetto.dev)",
-    )
-    args = parser.parse_args()
-
-    cdist.init()
-    with trace.to_file(args.trace):  # None: records nothing
-        run(args)
-    cdist.shutdown()
+    script.main(run, parser)
 
 
 if __name__ == "__main__":

@@ -8,19 +8,14 @@ all-reduce makes 2(N-1) steps of S/N bytes each, so T ≈ 2(N-1)·α + 2(N-1)/N 
 α and β are fitted here from a ping-pong between ranks 0 and 1.
 """
 
-import argparse
-import os
-import sys
-
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
-
 from course_lib import dist as cdist
-from course_lib.dist import counter, trace
+from course_lib.dist import counter, script
 from course_lib.dist.timing import clock
+
+from collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 
 
 def timed(fn, repeats: int) -> float:
@@ -52,7 +47,7 @@ def ping_pong(nbytes: int, repeats: int) -> float:
 def run(args) -> None:
     """Everything after init, on every rank (main records it with ``--trace``)."""
     rank, n, dev = dist.get_rank(), dist.get_world_size(), cdist.device()
-    say = print if rank == 0 else (lambda *a, **k: None)
+    say = script.print_on(0)
     say(f"{n} ranks, backend {cdist.backend()}, device {dev}")
 
     # 1. Correct? Integer-valued data: any summation order gives the same floats.
@@ -91,20 +86,10 @@ def run(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = script.parser(__doc__)
     parser.add_argument("--sizes-kib", type=int, nargs="+", default=[4, 64, 1024, 4096])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument(
-        "--trace",
-        metavar="PATH",
-        help="write every rank's timeline to PATH as one Chrome trace (open it in ui.perfetto.dev)",
-    )
-    args = parser.parse_args()
-
-    cdist.init()  # reads RANK/WORLD_SIZE/MASTER_* that accelerate launch set
-    with trace.to_file(args.trace):  # None: records nothing
-        run(args)
-    cdist.shutdown()
+    script.main(run, parser)
 
 
 if __name__ == "__main__":

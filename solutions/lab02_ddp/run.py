@@ -10,29 +10,25 @@ step — one per bucket with synchronisation, none inside no_sync. At the end ev
 parameters are compared with rank 0's: data parallelism keeps the replicas identical.
 """
 
-import argparse
 import contextlib
-import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ddp import DDP
-
 from course_lib import data
 from course_lib import dist as cdist
-from course_lib.dist import counter, trace
-from course_lib.model import config as configs
+from course_lib.dist import counter, script
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer, next_token_loss
 from course_lib.parallel.data.ddp import split_batch
+
+from ddp import DDP
 
 
 def run(args) -> None:
     """Everything after init, on every rank (main records it with ``--trace``)."""
     rank, world, dev = dist.get_rank(), dist.get_world_size(), cdist.device()
-    say = print if rank == 0 else (lambda *a, **k: None)
+    say = script.print_on(0)
     torch.manual_seed(rank)  # deliberately different: DDP's broadcast must make them equal
     model = DDP(Transformer(configs.get("tiny")).to(dev), bucket_cap_mb=args.bucket_cap_mb)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -74,22 +70,12 @@ def run(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = script.parser(__doc__)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--batch", type=int, default=16, help="global batch, in sequences")
     parser.add_argument("--accumulate", type=int, default=2, help="micro-batches per step and rank")
     parser.add_argument("--bucket-cap-mb", type=float, default=0.05)
-    parser.add_argument(
-        "--trace",
-        metavar="PATH",
-        help="write every rank's timeline to PATH as one Chrome trace (open it in ui.perfetto.dev)",
-    )
-    args = parser.parse_args()
-
-    cdist.init()
-    with trace.to_file(args.trace):  # None: records nothing
-        run(args)
-    cdist.shutdown()
+    script.main(run, parser)
 
 
 def split_batch_k(t: torch.Tensor, k: int) -> list[torch.Tensor]:

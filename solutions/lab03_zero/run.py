@@ -12,24 +12,19 @@ element in an order that depends on where it sits in the buffer, and torch DDP's
 out differently from your units, so expect differences around 1e-6 there.
 """
 
-import argparse
-import os
-import sys
-
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from zero import ZeroAdamW
-
 from course_lib import dist as cdist
-from course_lib.cost.comm import ring_wire_bytes, zero_comm_bytes
+from course_lib.cost.collective_bytes import ring_wire_bytes, zero_comm_bytes
 from course_lib.cost.memory import zero_model_state_bytes
-from course_lib.dist import counter, trace
+from course_lib.dist import counter, script
 from course_lib.dist.census import held_bytes
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer, next_token_loss
+
+from zero import ZeroAdamW
 
 LR, WD = 3e-3, 0.1
 
@@ -60,7 +55,7 @@ def reference(name, steps):
 def run(args) -> None:
     """Everything after init, on every rank (main records it with ``--trace``)."""
     n = dist.get_world_size()
-    say = print if dist.get_rank() == 0 else (lambda *a, **k: None)
+    say = script.print_on(0)
     ref = reference(args.model, args.steps)
     psi = sum(p.numel() for p in ref)
     say(f"{n} ranks, backend {cdist.backend()}, model {args.model!r} with Ψ = {psi} parameters, fp32 AdamW")
@@ -89,20 +84,10 @@ def run(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = script.parser(__doc__)
     parser.add_argument("--model", default="tiny", choices=["tiny", "small"])
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument(
-        "--trace",
-        metavar="PATH",
-        help="write every rank's timeline to PATH as one Chrome trace (open it in ui.perfetto.dev)",
-    )
-    args = parser.parse_args()
-
-    cdist.init()
-    with trace.to_file(args.trace):  # None: records nothing
-        run(args)
-    cdist.shutdown()
+    script.main(run, parser)
 
 
 if __name__ == "__main__":

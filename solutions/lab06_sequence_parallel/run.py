@@ -9,25 +9,17 @@ torch's scaled_dot_product_attention on the whole of it. Then: what each rank se
 formulas, the work each rank did under the zigzag layout, and the memory model of lecture 03.
 """
 
-import argparse
-import os
-import sys
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import sequence_parallel as sp
-
 from course_lib import dist as cdist
 from course_lib.cost.activations import attention_memory_per_rank
-from course_lib.cost.comm import (
-    ring_comm_bytes,
-    ulysses_comm_bytes,
-)
-from course_lib.dist import counter, trace
+from course_lib.cost.collective_bytes import ring_comm_bytes, ulysses_comm_bytes
+from course_lib.dist import counter, script
 from course_lib.parallel.context.ring_attention import shard, unshard
+
+import sequence_parallel as sp
 
 
 def gather(x: torch.Tensor) -> list[torch.Tensor]:
@@ -63,7 +55,7 @@ def check(name, attend, split, join, full, say) -> None:
 def run(args) -> None:
     """Everything after init, on every rank (main records it with ``--trace``)."""
     rank, n, dev = dist.get_rank(), dist.get_world_size(), cdist.device()
-    say = print if rank == 0 else (lambda *a, **k: None)
+    say = script.print_on(0)
     b, s, h, hk, d = args.batch, args.seq_len, args.heads, args.kv_heads, args.head_dim
     say(f"{n} ranks, backend {cdist.backend()}; b={b}, s={s}, h={h}, h_kv={hk}, d={d}")
     g = torch.Generator().manual_seed(0)  # host: the same draw on every machine, moved to dev below
@@ -114,23 +106,13 @@ def run(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = script.parser(__doc__)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=16)
     parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument(
-        "--trace",
-        metavar="PATH",
-        help="write every rank's timeline to PATH as one Chrome trace (open it in ui.perfetto.dev)",
-    )
-    args = parser.parse_args()
-
-    cdist.init()  # reads RANK/WORLD_SIZE/MASTER_* that accelerate launch set
-    with trace.to_file(args.trace):  # None: records nothing
-        run(args)
-    cdist.shutdown()
+    script.main(run, parser)
 
 
 if __name__ == "__main__":

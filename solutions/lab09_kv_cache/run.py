@@ -10,23 +10,19 @@ waste of reserving max_len slots per request on the same stream, and the prefix-
 a second stream whose prompts share a 48-token system prompt.
 """
 
-import argparse
-import os
 import random
-import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import paged_cache as lab
-
 from course_lib import dist as cdist
-from course_lib.dist import trace
+from course_lib.dist import script
 from course_lib.inference.engine import Engine, Request
 from course_lib.inference.generate import generate
-from course_lib.model.config import get
+from course_lib.model.configs import get
 from course_lib.model.transformer import Transformer
+
+import paged_cache as lab
 
 
 def requests(n: int, seed: int, shared: list[int]) -> list[Request]:
@@ -45,7 +41,7 @@ def serve(model, mine: list[Request], blocks: int, reserve: str = "paged"):
 
 def run(args) -> None:
     rank, n = dist.get_rank(), dist.get_world_size()
-    say = print if rank == 0 else (lambda *a, **k: None)
+    say = script.print_on(0)
     torch.manual_seed(0)
     model = Transformer(get("tiny", max_seq_len=512)).eval().to(cdist.device())  # seeded on the host, then moved
     say(f"{n} ranks, backend {cdist.backend()}; {args.requests} requests, rank r serves requests r, r + {n}, ...")
@@ -92,19 +88,10 @@ def run(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = script.parser(__doc__)
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--blocks", type=int, default=200, help="blocks of 16 tokens in each replica's pool")
-    parser.add_argument(
-        "--trace",
-        metavar="PATH",
-        help="write every rank's timeline to PATH as one Chrome trace (open it in ui.perfetto.dev)",
-    )
-    args = parser.parse_args()
-    cdist.init()  # reads RANK/WORLD_SIZE/MASTER_* that accelerate launch set
-    with trace.to_file(args.trace):  # None: records nothing
-        run(args)
-    cdist.shutdown()
+    script.main(run, parser)
 
 
 if __name__ == "__main__":

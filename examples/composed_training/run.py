@@ -1,9 +1,9 @@
-"""The capstone step: the course model trained over one DP × TP × PP mesh, on one machine or several.
+"""Lecture 10's composed step (a demo, not graded): the course model trained over one DP × TP × PP mesh, on one machine or several.
 
-    accelerate launch --config_file labs/accelerate/cpu.yaml --num_processes 8 labs/capstone/run.py
+    accelerate launch --config_file labs/accelerate/cpu.yaml --num_processes 8 examples/composed_training/run.py
     # the same 8 ranks as two "nodes" of 4 on this machine, two launchers (start both):
-    accelerate launch --config_file labs/accelerate/loopback_node0.yaml labs/capstone/run.py
-    accelerate launch --config_file labs/accelerate/loopback_node1.yaml labs/capstone/run.py
+    accelerate launch --config_file labs/accelerate/loopback_node0.yaml examples/composed_training/run.py
+    accelerate launch --config_file labs/accelerate/loopback_node1.yaml examples/composed_training/run.py
 
 Every rank builds the course model from one seed and keeps its part (course_lib.parallel.compose):
 its pipeline stage, split over its tensor-parallel group, fed its data-parallel share of each global
@@ -11,7 +11,6 @@ batch of the course language. Rank 0 prints the layout, where the ranks run, the
 and a fingerprint of the final parameters: the same numbers whichever way the ranks were started.
 """
 
-import argparse
 import hashlib
 import socket
 
@@ -20,15 +19,15 @@ import torch.distributed as dist
 
 from course_lib import dist as cdist
 from course_lib.data import MarkovLanguage, make_dataset
-from course_lib.dist import trace
+from course_lib.dist import script
 from course_lib.dist.runtime import local_world_size
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.compose import Composed, Layout
 
 
 def run(args) -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     layout = Layout(dp=args.dp, tp=args.tp, pp=args.pp, m=args.m)
     if layout.world_size != world:
         raise SystemExit(f"layout {layout} needs dp·tp·pp = {layout.world_size} ranks; {world} were launched")
@@ -40,7 +39,7 @@ def run(args) -> None:
     data = make_dataset(MarkovLanguage(), 64 * args.seq_len + 1, args.seq_len, seed=11)
     hosts = [None] * world
     dist.all_gather_object(hosts, (socket.gethostname(), local_world_size()))
-    say = print if rank == 0 else (lambda *a, **k: None)
+    say = script.print_on(0)
     say(f"{layout} on {world} ranks, backend {cdist.backend()}; {local_world_size()} ranks per launcher")
     for step, (x, y) in zip(range(args.steps), data.batches(args.global_batch, seed=5, epochs=None)):
         loss = composed.step(x.to(dev), y.to(dev))  # the course language is drawn on the host
@@ -57,7 +56,7 @@ def run(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = script.parser(__doc__)
     parser.add_argument("--dp", type=int, default=2)
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pp", type=int, default=2)
@@ -66,12 +65,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--trace", metavar="PATH", help="write every rank's timeline to PATH as one Chrome trace")
-    args = parser.parse_args()
-    cdist.init()
-    with trace.to_file(args.trace):
-        run(args)
-    cdist.shutdown()
+    script.main(run, parser)
 
 
 if __name__ == "__main__":

@@ -1,26 +1,25 @@
-"""Expert parallelism end to end: the course's MoE model trained over ep ranks, beside one rank on the whole batch.
+"""Expert parallelism end to end (lecture 03's demo, not graded): the course's MoE model trained over ep ranks, beside one rank on the whole batch.
 
-    accelerate launch --config_file labs/accelerate/expert_cpu.yaml labs/expert/run.py
-    accelerate launch --config_file labs/accelerate/expert_cpu.yaml labs/expert/run.py --fp8
+    accelerate launch --config_file labs/accelerate/expert_cpu.yaml examples/expert_parallel/run.py
+    accelerate launch --config_file labs/accelerate/expert_cpu.yaml examples/expert_parallel/run.py --fp8
 
 Every rank holds E/ep of each MoE layer's routed experts (course_lib.parallel.expert.layer) and a
 share of every global batch; tokens travel to their experts and back by all-to-all. Each rank also
 trains the plain model on the whole batch: the losses agree up to the order of fp32 sums. Printed:
 the loss per step both ways, and the bytes each rank's dispatch handed to the all-to-alls per layer
-beside course_lib.cost.comm.ep_dispatch_bytes (``--fp8``: rows in float8 e4m3 plus fp32 scales).
+beside course_lib.cost.expert_dispatch.ep_dispatch_bytes (``--fp8``: rows in float8 e4m3 plus fp32 scales).
 """
 
-import argparse
 import itertools
 
 import torch
 import torch.distributed as dist
 
 from course_lib import dist as cdist
-from course_lib.cost.comm import ep_dispatch_bytes, fp8_bytes_per_element
+from course_lib.cost.expert_dispatch import ep_dispatch_bytes, fp8_bytes_per_element
 from course_lib.data import MarkovLanguage, make_dataset
-from course_lib.dist import trace
-from course_lib.model import config as configs
+from course_lib.dist import script, trace
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.expert.layer import expert_parallel, global_loads, sync_gradients, update_biases
 
@@ -34,7 +33,7 @@ def dispatch_bytes(timeline) -> list[int]:
 def run(args) -> None:
     """Everything after init, on every rank (main records it with ``--trace``)."""
     rank, ep, dev = dist.get_rank(), dist.get_world_size(), cdist.device()
-    say = print if rank == 0 else (lambda *a, **k: None)
+    say = script.print_on(0)
     b, t = args.batch, args.seq_len
     if b % ep:
         raise SystemExit(f"--batch {b} does not split over ep={ep} ranks")
@@ -97,22 +96,12 @@ def run(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = script.parser(__doc__)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=8, help="sequences per global batch")
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--fp8", action="store_true", help="dispatch rows in float8 e4m3 (DeepSeek-V3 §3.3.3)")
-    parser.add_argument(
-        "--trace",
-        metavar="PATH",
-        help="write every rank's timeline to PATH as one Chrome trace (open it in ui.perfetto.dev)",
-    )
-    args = parser.parse_args()
-
-    cdist.init()  # reads RANK/WORLD_SIZE/MASTER_* that accelerate launch set
-    with trace.to_file(args.trace):  # None: records nothing
-        run(args)
-    cdist.shutdown()
+    script.main(run, parser)
 
 
 if __name__ == "__main__":
