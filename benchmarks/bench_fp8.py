@@ -12,8 +12,8 @@
   torch.nn.functional.scaled_mm with BlockWise1x128 / BlockWise128x128 where torch has the kernel
   (Hopper, CUDA >= 12.9); the row says "unsupported" and why otherwise. Their scales vary along K, so a
   kernel applies them per 128-element chunk of K (the promotion to fp32 of
-  :mod:`course_lib.precision.fp8`);
-* ``fp8 block-wise (emulated)`` — :func:`course_lib.precision.fp8.fp8_matmul`: dequantize, then an
+  :mod:`course_lib.precision.fp8_gemm`);
+* ``fp8 block-wise (emulated)`` — :func:`course_lib.precision.fp8_gemm.fp8_matmul`: dequantize, then an
   fp32 GEMM; what the course runs where no block-wise kernel exists.
 
 **Linear layer**: forward + backward (three GEMMs, 6n³ FLOPs) of an n x n layer on n tokens:
@@ -47,7 +47,9 @@ import torch.nn.functional as F
 
 from course_lib.dist import device
 from course_lib.dist.timing import time_calls
-from course_lib.precision.fp8 import FP8Linear, fp8_matmul, quantize
+from course_lib.precision.fp8_gemm import fp8_matmul
+from course_lib.precision.fp8_linear import FP8Linear
+from course_lib.precision.fp8_scaling import quantize
 
 E4M3 = torch.float8_e4m3fn
 

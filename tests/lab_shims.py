@@ -36,7 +36,7 @@ from course_lib.parallel import compose
 from course_lib.parallel.compose import Composed
 from course_lib.parallel.data.ddp import DistributedDataParallel, assign_buckets
 from course_lib.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
-from course_lib.precision import fp8
+from course_lib.precision import fp8_scaling
 
 
 def plan_buckets(nbytes: list[int], cap_bytes: int) -> list[list[int]]:
@@ -71,12 +71,12 @@ def quantize(x, fmt="e4m3", recipe="tensor", *, block=128, amax=None):
     """Lab 08's role: the lab's ``amax=`` (an earlier step's amax) is course_lib's delayed scaling with that
     amax as its whole history; without it, course_lib's quantize as it is."""
     if amax is None:
-        return fp8.quantize(x, fmt, recipe, block=block)
+        return fp8_scaling.quantize(x, fmt, recipe, block=block)
     if recipe != "tensor":
         raise ValueError("course_lib's delayed scaling keeps one amax per tensor")
-    history = fp8.AmaxHistory(1)
+    history = fp8_scaling.AmaxHistory(1)
     history.update(amax)
-    return fp8.quantize(x, fmt, "delayed", block=block, history=history)
+    return fp8_scaling.quantize(x, fmt, "delayed", block=block, history=history)
 
 
 _ENTERED = []  # a context left open must stay referenced: a collected generator would run its exit

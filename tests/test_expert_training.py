@@ -147,7 +147,7 @@ def test_fp8_dispatch_within_e4m3_rounding_and_straight_through():
         bound = 2**-4 * ref.abs() + 2**-10 * amax / 448 + 4 * U * ref.abs()
         excess = (got - ref).abs() - bound
         assert (excess <= 0).all(), (
-            f"rank {rank}: FP8 dispatch error exceeds the e4m3 bound by {excess.max():.3g}: look at course_lib.precision.fp8.quantize's "
+            f"rank {rank}: FP8 dispatch error exceeds the e4m3 bound by {excess.max():.3g}: look at course_lib.precision.fp8_scaling.quantize's "
             "scale (amax/448 per 128-channel block) and the dequantisation"
         )
         relative = ((got - ref).abs() / ref.abs())[ref.abs() >= amax / 448 * 2**-6]

@@ -1,4 +1,4 @@
-"""FP8 training (course_lib.precision.fp8): scales, recipes, the GEMM and the FP8 linear layer.
+"""FP8 training (course_lib.precision.fp8_scaling, fp8_gemm, fp8_linear): scales, recipes, the GEMM and the FP8 linear layer.
 
 Every tolerance is derived from the formats: round to nearest in e4m3 (3 mantissa bits) errs by at
 most u = 2^-4 of the value, in e5m2 by u = 2^-3, plus half the subnormal spacing times the scale
@@ -14,18 +14,16 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from course_lib.dist import device, launch
-from course_lib.precision.fp8 import (
+from course_lib.precision.fp8_gemm import N_C, fp8_matmul, scaled_mm_supports
+from course_lib.precision.fp8_linear import FP8Linear
+from course_lib.precision.fp8_scaling import (
     E4M3,
     E5M2,
-    N_C,
     AmaxHistory,
-    FP8Linear,
     dequantize,
     expand_scale,
-    fp8_matmul,
     quantize,
     scale_from_amax,
-    scaled_mm_supports,
     sync_amax,
 )
 

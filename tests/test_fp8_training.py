@@ -20,7 +20,9 @@ from torchao.float8.float8_training_tensor import LinearMMConfig
 
 from course_lib.measure.precision import compare_precisions, precision_config, precision_language
 from course_lib.model.transformer import Transformer
-from course_lib.precision.fp8 import FP8Linear, convert_to_fp8_training, dequantize, fp8_matmul, quantize
+from course_lib.precision.fp8_gemm import fp8_matmul
+from course_lib.precision.fp8_linear import FP8Linear, convert_to_fp8_training
+from course_lib.precision.fp8_scaling import dequantize, quantize
 
 U = 2.0**-24  # fp32 unit roundoff
 

@@ -79,10 +79,10 @@ LIBRARY = {
     ),
     "lab08": Adapter.of_library(  # the lab's groups are course_lib's private _amax; amax= goes through a shim
         quantize=f"{SHIMS}:quantize",
-        dequantize="course_lib.precision.fp8",
-        amax_per_group="course_lib.precision.fp8:_amax",
-        expand_scale="course_lib.precision.fp8",
-        FP8Linear="course_lib.precision.fp8",
+        dequantize="course_lib.precision.fp8_scaling",
+        amax_per_group="course_lib.precision.fp8_scaling:_amax",
+        expand_scale="course_lib.precision.fp8_scaling",
+        FP8Linear="course_lib.precision.fp8_linear",
     ),
     "lab09": Adapter.of_library(
         block_hash="course_lib.inference.paged",

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from course_lib.dist import launch, runtime
 from course_lib.dist.timing import clock, time_calls
-from course_lib.precision import fp8
+from course_lib.precision import fp8_gemm, fp8_scaling
 
 ROOT = Path(__file__).resolve().parents[2]
 JSON_PATH = ROOT / "build" / "gpu-check.json"
@@ -110,9 +110,9 @@ def _within_fp32_bound(got: torch.Tensor, a, b, out_dtype: torch.dtype) -> float
     nothing promotes. torch asks cuBLAS not to accumulate fast (``use_fast_accum=False``, its default),
     which should keep the result inside this bound; that is an expectation no GPU has tested yet. Should
     a card exceed it, the row fails saying by how much: a finding to record."""
-    ref = fp8.fp8_matmul(a, b, backend="emulate")
+    ref = fp8_gemm.fp8_matmul(a, b, backend="emulate")
     k = a[0].shape[1]
-    mag = fp8.dequantize(*a).abs() @ fp8.dequantize(*b).abs().T
+    mag = fp8_scaling.dequantize(*a).abs() @ fp8_scaling.dequantize(*b).abs().T
     rounding = 2.0**-8 if out_dtype == torch.bfloat16 else 2.0**-24
     bound = 2 * k * 2.0**-24 * mag + rounding * ref.abs() + 1e-30
     ratio = ((got.float() - ref).abs() / bound).max().item()
@@ -131,10 +131,10 @@ def check_scaled_mm(ctx: Context) -> str:
     a, b = _operands(ctx, m, k, n)
     out = []
     for recipe in ("tensor", "row"):
-        qa, qb = fp8.quantize(a, "e4m3", recipe), fp8.quantize(b, "e4m3", recipe)
-        got = fp8.fp8_matmul(qa, qb, backend="scaled_mm", out_dtype=torch.bfloat16)
+        qa, qb = fp8_scaling.quantize(a, "e4m3", recipe), fp8_scaling.quantize(b, "e4m3", recipe)
+        got = fp8_gemm.fp8_matmul(qa, qb, backend="scaled_mm", out_dtype=torch.bfloat16)
         out.append(f"{recipe} {_within_fp32_bound(got, qa, qb, torch.bfloat16):.2f} of bound")
-    qa, qb = fp8.quantize(a, "e4m3", "tile"), fp8.quantize(b, "e4m3", "block")
+    qa, qb = fp8_scaling.quantize(a, "e4m3", "tile"), fp8_scaling.quantize(b, "e4m3", "block")
     try:
         got = torch._scaled_mm(qa[0], qb[0].t(), qa[1], qb[1].t(), out_dtype=torch.bfloat16)
     except (RuntimeError, ValueError, NotImplementedError) as e:  # CPU, or no block-scaled FP8 GEMM in this build
@@ -148,7 +148,7 @@ def check_scaled_mm(ctx: Context) -> str:
 def _gemm_seconds(ctx: Context, size: int) -> tuple[float, float]:
     """The fastest of a few S x S x S GEMMs: FP8 (tensor-wise scales, bf16 out) and bf16."""
     a, b = _operands(ctx, size, size, size)
-    (qa, sa), (qb, sb) = fp8.quantize(a, "e4m3", "tensor"), fp8.quantize(b, "e4m3", "tensor")
+    (qa, sa), (qb, sb) = fp8_scaling.quantize(a, "e4m3", "tensor"), fp8_scaling.quantize(b, "e4m3", "tensor")
     a16, b16t = a.bfloat16(), b.bfloat16().t()
     qbt = qb.t()  # column-major, as cuBLASLt wants the second operand
     repeats = 2 if ctx.dry_run else 20

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from course_lib.model.moe import Routing
-from course_lib.precision import fp8
+from course_lib.precision import fp8_scaling
 
 
 @dataclass
@@ -125,7 +125,7 @@ class AllToAllRows(torch.autograd.Function):
 class FP8AllToAll(AllToAllRows):
     """The dispatch all-to-all in FP8, its backward in full precision (DeepSeek-V3 §3.3.3).
 
-    Forward: quantize the rows (:func:`course_lib.precision.fp8.quantize`, e4m3, one fp32 scale per
+    Forward: quantize the rows (:func:`course_lib.precision.fp8_scaling.quantize`, e4m3, one fp32 scale per
     1 × ``block`` tile: amax / 448), send the e4m3 bytes and the fp32 scales
     (two all-to-alls with the same splits), dequantize on receipt. Per element the receiver gets
 
@@ -145,11 +145,11 @@ class FP8AllToAll(AllToAllRows):
 
     @staticmethod
     def forward(ctx, rows, recv_counts, send_counts, group, block):
-        q, scale = fp8.quantize(rows, "e4m3", "tile", block=block)
+        q, scale = fp8_scaling.quantize(rows, "e4m3", "tile", block=block)
         q_in = q.new_empty(sum(recv_counts), q.shape[1])
         s_in = scale.new_empty(sum(recv_counts), scale.shape[1])
         # gloo moves bytes, not float8: send the e4m3 codes as uint8 (1 byte each, the same payload)
         dist.all_to_all_single(q_in.view(torch.uint8), q.view(torch.uint8), recv_counts, send_counts, group=group)
         dist.all_to_all_single(s_in, scale, recv_counts, send_counts, group=group)
         ctx.counts, ctx.group = (recv_counts, send_counts), group  # AllToAllRows.backward: full precision
-        return fp8.dequantize(q_in, s_in).to(rows.dtype)
+        return fp8_scaling.dequantize(q_in, s_in).to(rows.dtype)
