@@ -65,7 +65,8 @@ def test_rooflines_are_read_from_the_table():
 
 
 def test_h800_is_an_h100_with_less_nvlink():
-    """Seed 001 §4.1: the H800's NVLink is cut from 900 GB/s to 400 GB/s (both directions), compute as
+    """Zhao et al., Insights into DeepSeek-V3 (ISCA 2025) §4.1: the H800's NVLink is cut from 900 GB/s to
+    400 GB/s (both directions), compute as
     the H100's; §4.3: 'NVLink provides 200GB/s' (one direction), each 400 Gb/s IB NIC 50 GB/s."""
     h100, h800 = hardware.get("H100"), hardware.get("H800")
     assert h100.scale_up_bytes_per_s.value == 450e9 and 2 * h100.scale_up_bytes_per_s.value == 900e9

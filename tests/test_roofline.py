@@ -83,7 +83,8 @@ def test_decode_kv_reads_are_the_kv_cache(name):
 
 
 def test_decode_gemvs_are_memory_bound_on_every_accelerator():
-    """Seed 001 §2.1.2: decoding turns GEMMs into GEMVs, limited by memory bandwidth. One token, bf16:
+    """Zhao et al., Insights into DeepSeek-V3 (ISCA 2025) §2.1.2: decoding turns GEMMs into GEMVs, limited by
+    memory bandwidth. One token, bf16:
     every weight GEMV is near 1 FLOP/byte, left of every ridge point of the table; a training GEMM on
     8k tokens is right of every one."""
     cfg = configs.get("llama-3.1-405b")
