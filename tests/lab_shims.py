@@ -35,7 +35,7 @@ from course_lib.measure import reproducibility
 from course_lib.parallel import compose
 from course_lib.parallel.compose import Composed
 from course_lib.parallel.data.ddp import DistributedDataParallel, assign_buckets
-from course_lib.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+from course_lib.parallel.tensor.sharded_layers import ColumnParallelLinear, RowParallelLinear
 from course_lib.precision import fp8_scaling
 
 

@@ -298,8 +298,8 @@ def _save_odd(root):
         out["saved"][stage, precision] = (full_state(zero), zero.full_parameters())
         if stage == 1:  # DTensor's own split of each unit against the range Zero's shard holds
             for u in zero.units:
-                start = rank * u.shard
-                mine = torch.arange(start, start + max(0, min(u.shard, u.numel - start)), device=device())
+                start = rank * u.shard_numel
+                mine = torch.arange(start, start + max(0, min(u.shard_numel, u.numel - start)), device=device())
                 theirs = distribute_tensor(torch.arange(u.numel, device=device()), mesh, [Shard(0)]).to_local()
                 out["rule"].append((u.name, torch.equal(mine, theirs)))
     return out

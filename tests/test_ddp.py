@@ -23,11 +23,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from course_lib import data
-from course_lib.dist import device, launch
+from course_lib.dist import counter, device, launch
 from course_lib.measure.ddp import trace_step
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer, next_token_loss
-from course_lib.parallel.data.ddp import DistributedDataParallel, assign_buckets, split_batch
+from course_lib.parallel.data.ddp import DistributedDataParallel, NaiveDataParallel, assign_buckets, split_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 CAP_MB = 0.05  # ~52 KB: the tiny model (417 KiB of gradients) gets 5 buckets
@@ -179,6 +179,27 @@ def test_ddp_equals_single_process_training_on_the_global_batch(world):
             "only summation order should separate them: is each shard's loss a mean and the average 1/W?"
         )
         assert param < PARAM_ATOL, f"rank {rank}: parameters after 3 steps differ by {param:.2e} (> {PARAM_ATOL})"
+
+
+def _naive_against_bucketed():
+    ours, _, base = _models()
+    naive = NaiveDataParallel(copy.deepcopy(base))
+    with counter.count() as c:
+        for x, y in _global_batches(2):
+            x, y = _shard((x, y))
+            naive.zero_grad(set_to_none=True)
+            _step(naive, x, y)
+            naive.all_reduce_gradients()
+    _step(ours, x, y)
+    naive_grads = [p.grad for p in naive.parameters()]
+    return c.calls("all_reduce"), len(naive_grads), _n_different(naive_grads, _grads(ours))
+
+
+def test_naive_ddp_sends_one_all_reduce_per_parameter_and_averages_like_the_bucketed_one():
+    calls, n_params, differ = launch(_naive_against_bucketed, 2, timeout=60)[0]
+    assert calls == 2 * n_params, f"the naive DDP should all-reduce each of {n_params} parameters once per step"
+    # 2 ranks: g0/2 + g1/2 has one rounding whatever the layout, so the two versions agree bit for bit
+    assert differ == 0, f"{differ} gradient elements of the naive DDP differ from the bucketed DDP's"
 
 
 # ---------------------------------------------------------------------------- bad input and API

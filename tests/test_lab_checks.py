@@ -54,12 +54,12 @@ LIBRARY = {
     "lab04": Adapter.of_library(
         f="course_lib.parallel.tensor.comms:copy_to_tensor_parallel_region",
         g="course_lib.parallel.tensor.comms:reduce_from_tensor_parallel_region",
-        ColumnParallelLinear="course_lib.parallel.tensor.layers",
-        RowParallelLinear="course_lib.parallel.tensor.layers",
+        ColumnParallelLinear="course_lib.parallel.tensor.sharded_layers",
+        RowParallelLinear="course_lib.parallel.tensor.sharded_layers",
         DenseMLP=f"{SHIMS}:DenseMLP",  # the lab's given reference, loaded by the shim
         ParallelMLP=f"{SHIMS}:ParallelMLP",
-        VocabParallelEmbedding="course_lib.parallel.tensor.layers",
-        vocab_parallel_cross_entropy="course_lib.parallel.tensor.layers",
+        VocabParallelEmbedding="course_lib.parallel.tensor.sharded_layers",
+        vocab_parallel_cross_entropy="course_lib.parallel.tensor.sharded_layers",
     ),
     "lab05": Adapter.of_library(  # the lab's functions are the ones build() composes, same signatures
         one_f_one_b="course_lib.parallel.pipeline.schedules:_one_f_one_b",

@@ -16,9 +16,9 @@ from course_lib.measure.tensor_parallel import collectives_per_layer
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.tensor.comms import all_gather_sequence, reduce_scatter_sequence
-from course_lib.parallel.tensor.layers import shard_of
 from course_lib.parallel.tensor.model import TPBlock, TPTransformer
 from course_lib.parallel.tensor.sequence import shard_sequence, sync_sequence_parallel_grads
+from course_lib.parallel.tensor.sharded_layers import shard_of
 
 
 def _primitives():

@@ -1,4 +1,4 @@
-"""Stability tools (course_lib.optim.schedules, course_lib.optim.stability) and the spike harness
+"""Stability tools (course_lib.optim.lr_schedules, course_lib.optim.stability) and the spike harness
 (course_lib.measure.stability): the arithmetic against its formula, then the spike and its remedies.
 
 The harness's numbers (seed 1, docstring of course_lib.measure.stability): baseline largest rise 7.8
@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from course_lib.dist import device, launch
 from course_lib.measure import stability as harness
-from course_lib.optim.schedules import warmup_cosine, warmup_cosine_lambda
+from course_lib.optim.lr_schedules import warmup_cosine, warmup_cosine_lambda
 from course_lib.optim.stability import SpikeGuard, clip_grad_norm_, global_grad_norm, logit_z_loss
 
 # --------------------------------------------------------------------------------------------------

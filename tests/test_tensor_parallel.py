@@ -26,14 +26,14 @@ from course_lib.dist import Mesh, counter, device, launch
 from course_lib.measure.tensor_parallel import versus_megatron_core
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer
-from course_lib.parallel.tensor.layers import (
+from course_lib.parallel.tensor.model import TPMLP, TPBlock, TPTransformer
+from course_lib.parallel.tensor.sharded_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     shard_of,
     vocab_parallel_cross_entropy,
 )
-from course_lib.parallel.tensor.model import TPMLP, TPBlock, TPTransformer
 
 RTOL = 1e-5  # of the largest magnitude: √K·eps ≈ 1.7e-6 for a reordered K = 192-term sum (module docstring)
 # 8 query heads and 4 K/V heads: tensor parallel sizes 2 and 4 both divide them, and GQA groups of 2 stay whole

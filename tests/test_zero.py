@@ -24,7 +24,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from course_lib.dist import counter, device, launch
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer, next_token_loss
-from course_lib.parallel.data.zero import Zero, units
+from course_lib.parallel.data.zero import Zero
+from course_lib.parallel.data.zero_units import model_units
 
 LR, WD, STEPS = 3e-3, 0.1, 5
 
@@ -291,7 +292,7 @@ def test_bad_stage_precision_and_tied_weights_are_clear_errors():
     tied = _model()
     tied.output.weight = tied.tok_embeddings.weight
     with pytest.raises(ValueError, match="shared by units 'tok_embeddings' and 'output'"):
-        units(tied)
+        model_units(tied)
 
 
 def _misuse(what):

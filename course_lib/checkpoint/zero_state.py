@@ -59,8 +59,8 @@ def _real(zero: Zero, u) -> tuple[int, int]:
     """(first element, count) of the unpadded unit that this rank's shard holds."""
     if zero.stage == 0:
         return 0, u.numel
-    start = zero.me * u.shard
-    return start, max(0, min(u.shard, u.numel - start))
+    start = zero.shard_index * u.shard_numel
+    return start, max(0, min(u.shard_numel, u.numel - start))
 
 
 def zero_state_dict(zero: Zero) -> dict:
@@ -77,11 +77,11 @@ def zero_state_dict(zero: Zero) -> dict:
             # run_check=False: the shape is stated, not gathered; the shards are uneven (torch.chunk's rule)
             return DTensor.from_local(local, mesh, placement, run_check=False, shape=torch.Size([u.numel]), stride=(1,))
 
-        state[f"model.{u.name}"] = dtensor(zero._my_params(u))
+        state[f"model.{u.name}"] = dtensor(zero.param_shard_of(u))
         if zero.master is not None:
-            state[f"optim.{u.name}.master"] = dtensor(zero._slice(zero.master, u))
-        state[f"optim.{u.name}.exp_avg"] = dtensor(zero._slice(zero.exp_avg, u))
-        state[f"optim.{u.name}.exp_avg_sq"] = dtensor(zero._slice(zero.exp_avg_sq, u))
+            state[f"optim.{u.name}.master"] = dtensor(u.in_local(zero.master))
+        state[f"optim.{u.name}.exp_avg"] = dtensor(u.in_local(zero.exp_avg))
+        state[f"optim.{u.name}.exp_avg_sq"] = dtensor(u.in_local(zero.exp_avg_sq))
     state["optim.step"] = zero.step_count
     return state
 
@@ -99,12 +99,12 @@ def load_zero_state(zero: Zero, state: dict) -> None:
             loaded = state.get(f"optim.{u.name}.{name}")
             if host is None or not isinstance(loaded, DTensor):
                 continue
-            mine = zero._slice(host, u)[:count]
+            mine = u.in_local(host)[:count]
             if loaded.to_local().data_ptr() != mine.data_ptr():  # a copy: the shard lives elsewhere
                 mine.copy_(loaded.to_local())
     if zero.stage in (1, 2):
         for u in zero.units:
-            dist.all_gather_single(u.full, zero._my_params(u), group=zero.group)
+            dist.all_gather_single(u.full, zero.param_shard_of(u), group=zero.group)
 
 
 @torch.no_grad()

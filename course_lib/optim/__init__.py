@@ -7,6 +7,6 @@
   feedback, QSGD, 1-bit sign with error feedback, PowerSGD), for torch DDP and course DDP alike
 * :mod:`~course_lib.optim.distill`     — knowledge distillation's soft-target loss
 * :mod:`~course_lib.optim.grpo`        — GRPO's group-relative advantage and clipped objective
-* :mod:`~course_lib.optim.schedules`   — the warm-up + cosine learning-rate factor, for ``LambdaLR``
+* :mod:`~course_lib.optim.lr_schedules` — the warm-up + cosine learning-rate factor, for ``LambdaLR``
 * :mod:`~course_lib.optim.stability`   — output-logit z-loss, global-norm clipping (sharded too), a loss-spike guard
 """

@@ -43,8 +43,12 @@ from course_lib.model.transformer import Transformer
 from course_lib.parallel.expert.layer import ExpertParallelMoE, expert_parallel, expert_params
 from course_lib.parallel.pipeline import executor, schedules
 from course_lib.parallel.pipeline.stages import Stage, split
-from course_lib.parallel.tensor.layers import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
 from course_lib.parallel.tensor.model import TPBlock
+from course_lib.parallel.tensor.sharded_layers import (
+    ColumnParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
 
 
 def tensor_parallel_stage(stage: Stage, group) -> Stage:

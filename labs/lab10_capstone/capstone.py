@@ -9,7 +9,7 @@ lab, and course_lib has them all (given here, read their docstrings):
     course_lib.parallel.pipeline.schedules.build("1f1b", pp, m)         a schedule's action lists
     course_lib.parallel.pipeline.executor.run_step(schedule, ...)       one pipelined forward+backward
     course_lib.parallel.tensor.model.TPBlock.from_dense(block, group)    a block split over a TP group
-    course_lib.parallel.tensor.layers: VocabParallelEmbedding, ColumnParallelLinear (``from_dense``),
+    course_lib.parallel.tensor.sharded_layers: VocabParallelEmbedding, ColumnParallelLinear (``from_dense``),
                                        vocab_parallel_cross_entropy(logits, targets, group)
 
 What is new is the composition (Narayanan et al. 2021, *Efficient Large-Scale Language Model Training
@@ -52,8 +52,12 @@ from course_lib.model.transformer import Transformer
 from course_lib.parallel.compose import Layout
 from course_lib.parallel.pipeline import executor, schedules
 from course_lib.parallel.pipeline.stages import Stage, split
-from course_lib.parallel.tensor.layers import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
 from course_lib.parallel.tensor.model import TPBlock
+from course_lib.parallel.tensor.sharded_layers import (
+    ColumnParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
 
 AXES = ("dp", "pp", "tp")  # the order of a rank's coordinates (d, s, t), outermost first
 

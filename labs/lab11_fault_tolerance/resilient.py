@@ -47,7 +47,7 @@ from course_lib.checkpoint.commit import sha256 as sha256_file  # given: the hex
 from course_lib.data import MarkovLanguage, make_dataset
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer
-from course_lib.optim.schedules import warmup_cosine_lambda
+from course_lib.optim.lr_schedules import warmup_cosine_lambda
 
 MODEL = dict(d_model=32, d_ff=64, n_heads=4, n_kv_heads=2, max_seq_len=16)  # 22,688 parameters
 SEQ_LEN, N_SEQ, GLOBAL_BATCH, DATA_SEED = 16, 48, 8, 7  # 6 steps per epoch
@@ -73,7 +73,7 @@ def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up over 3 steps, cosine decay to 10% at step 24 (course_lib.optim.schedules)."""
+    """Linear warm-up over 3 steps, cosine decay to 10% at step 24 (course_lib.optim.lr_schedules)."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine_lambda(WARMUP_STEPS, TOTAL_STEPS))
 
 

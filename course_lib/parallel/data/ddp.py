@@ -1,22 +1,29 @@
-"""Distributed data parallel, by hand: buckets, autograd hooks, overlap, no_sync (lecture 02, lab 02).
+"""Distributed data parallel, by hand: first naive, then bucketed and overlapped (lecture 02, lab 02).
 
 Every rank holds a full replica of the model and a different shard of each global batch. After
-backward every rank must hold the same gradient, the average over the W ranks of their local
-gradients of the shard losses L_r:
+backward every rank must hold the same gradient, the average over the world_size ranks of their
+local gradients of the shard losses L_r (W = world_size below):
 
     g = (1/W) · Σ_r ∇L_r          (one all-reduce of every gradient, summing over ranks)
 
 which, for equal shards and a mean loss, is the gradient of the loss on the whole global batch.
 With equal parameters and equal gradients every replica takes the same optimizer step, so the
-replicas never drift apart. What makes it fast is *when* the all-reduce happens
-(Li et al., "PyTorch Distributed", VLDB 2020, §3.2 — the design of torch's DDP, followed here):
+replicas never drift apart.
+
+**The naive version** (:class:`NaiveDataParallel`, the first step of picotron's and of most
+courses' DDP): after ``loss.backward()`` returns, all-reduce each parameter's gradient, one
+collective per parameter. It is correct, and slow twice over: it pays the latency α of a
+collective once per parameter (hundreds of times a step), and the network idles during the whole
+backward pass, then the compute idles during the whole communication.
+
+**The bucketed, overlapped version** (:class:`DistributedDataParallel`) fixes both, as torch's DDP
+does (Li et al., "PyTorch Distributed", VLDB 2020, §3.2 — the design followed here):
 
 1. **Same start.** Rank 0's parameters and buffers are broadcast to every rank at construction.
-2. **Buckets.** One all-reduce per parameter pays the latency α of a collective hundreds of times;
-   one all-reduce of everything cannot start before the last gradient exists. So gradients are
-   packed into flat buckets of about ``bucket_cap_mb``, in *reverse registration order*:
-   backward produces gradients roughly in the reverse of the order the forward used the layers,
-   so the output layer's bucket fills first.
+2. **Buckets.** Gradients are packed into flat buckets of about ``bucket_cap_mb``, so one
+   all-reduce carries many parameters (one bucket of everything could not start before the last
+   gradient exists); in *reverse registration order*, because backward produces gradients roughly
+   in the reverse of the order the forward used the layers, so the output layer's bucket fills first.
 3. **Hooks and overlap.** A post-accumulate-grad hook on every parameter copies its gradient into
    its bucket; when a bucket is full, an asynchronous all-reduce (``async_op=True``) is launched
    at once and runs while autograd is still computing the gradients of earlier layers.
@@ -42,9 +49,10 @@ after the sum" differs from torch by rounding at W = 3 (tests/test_ddp.py checks
 Limits, said once: every parameter must receive a gradient in every synchronised backward (no
 ``find_unused_parameters``), all parameters share one dtype and device, and buffers are broadcast
 only at construction (the course model's buffers are constant; torch by default re-broadcasts
-them before every forward, which BatchNorm statistics would need). Torch DDP also re-orders its buckets after the first iteration by
-the order gradients actually arrived; for the course model that order *is* reverse registration
-order, so our fixed buckets match torch's from the second iteration on.
+them before every forward, which BatchNorm statistics would need). Torch DDP also re-orders its
+buckets after the first iteration by the order gradients actually arrived; for the course model
+that order *is* reverse registration order, so our fixed buckets match torch's from the second
+iteration on. Lecture 02's traced DDP step: :mod:`course_lib.experiments.lecture02.ddp_trace`.
 """
 
 from __future__ import annotations
@@ -71,20 +79,64 @@ MB = 1024 * 1024  # torch counts bucket_cap_mb in MiB: cap_bytes = int(bucket_ca
 def split_batch(global_batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """Rank ``rank``'s contiguous block of rows of ``global_batch`` (rows = first dimension).
 
-    Equal shards are what make the average of the W shard-mean losses equal the mean loss of the
-    global batch; unequal ones would weight some samples more than others.
+    Equal shards are what make the average of the world_size shard-mean losses equal the mean loss
+    of the global batch; unequal ones would weight some samples more than others.
     """
-    n = global_batch.shape[0]
+    rows = global_batch.shape[0]
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in 0..world_size-1 for world_size={world_size}")
-    if n % world_size:
+    if rows % world_size:
         raise ValueError(
-            f"a global batch of {n} rows does not split evenly over {world_size} data-parallel ranks "
-            f"({n} mod {world_size} = {n % world_size}): choose a global batch that is a multiple of "
-            f"{world_size}, e.g. {n - n % world_size} or {n + world_size - n % world_size}"
+            f"a global batch of {rows} rows does not split evenly over {world_size} data-parallel ranks "
+            f"({rows} mod {world_size} = {rows % world_size}): choose a global batch that is a multiple of "
+            f"{world_size}, e.g. {rows - rows % world_size} or {rows + world_size - rows % world_size}"
         )
-    per_rank = n // world_size
+    per_rank = rows // world_size
     return global_batch[rank * per_rank : (rank + 1) * per_rank]
+
+
+# ----------------------------------------------------------------------------------------------
+# The naive version: one all-reduce per parameter, after backward
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def broadcast_from_rank0(module: nn.Module, group=None) -> None:
+    """Every replica starts from group rank 0's parameters and buffers."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    for t in [*module.parameters(), *module.buffers()]:
+        dist.broadcast(t.data, src=src, group=group)
+
+
+class NaiveDataParallel(nn.Module):
+    """Wrap ``module``; after ``loss.backward()`` call :meth:`all_reduce_gradients`, then step.
+
+        model = NaiveDataParallel(Transformer(cfg).to(device()))
+        next_token_loss(model(x), y).backward()
+        model.all_reduce_gradients()     # one blocking all-reduce per parameter
+        optimizer.step()
+
+    The same average as :class:`DistributedDataParallel` (each gradient times 1/W, then summed),
+    with none of its speed: see the module docstring.
+    """
+
+    def __init__(self, module: nn.Module, group=None):
+        super().__init__()
+        require_on_device(module, "NaiveDataParallel")
+        self.module, self.group = module, group
+        self.world_size = dist.get_world_size(group)
+        broadcast_from_rank0(module, group)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @torch.no_grad()
+    def all_reduce_gradients(self) -> None:
+        """g ← Σ_r g_r·(1/W) for every parameter, one collective each, in registration order."""
+        for p in self.module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(1.0 / self.world_size)
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.group)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -172,22 +224,13 @@ class DistributedDataParallel(nn.Module):
                 "one flat buffer per bucket, so cast the module to one dtype and device first"
             )
 
-        self._broadcast_from_rank0()
+        broadcast_from_rank0(module, group)
         self.buckets = self._build_buckets(named[::-1])  # reverse registration order: output layer first
         # where each parameter's gradient goes: (its bucket, its position in the bucket)
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in named]
 
-    # -- 1. same start -------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def _broadcast_from_rank0(self) -> None:
-        """Every replica starts from group rank 0's parameters and buffers."""
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        for t in [*self.module.parameters(), *self.module.buffers()]:
-            dist.broadcast(t.data, src=src, group=self.group)
-
-    # -- 2. buckets ----------------------------------------------------------------------------
+    # -- 1. same start: broadcast_from_rank0 in the constructor -- 2. buckets -----------------------
 
     def _build_buckets(self, named: list[tuple[str, nn.Parameter]]) -> list[Bucket]:
         sizes = [p.numel() * p.element_size() for _, p in named]
@@ -328,8 +371,3 @@ def _annotate_comm_span(bucket: Bucket) -> None:
     for span in trace.last_comm_spans():  # every timeline being recorded (they nest)
         span.meta["bucket"] = bucket.index
         bucket.work.get_future().add_done_callback(lambda _, s=span: s.meta.__setitem__("done", trace.now()))
-
-
-# ----------------------------------------------------------------------------------------------
-# One traced step, for lecture 02's timeline
-# ----------------------------------------------------------------------------------------------

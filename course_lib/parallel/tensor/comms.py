@@ -9,7 +9,7 @@ halves (Korthikanti et al. 2022, §4.2.2, Fig. 5, operators g and ḡ):
     ḡ*   reduce-scatter forward, all-gather backward  reduce_scatter_to_sequence_parallel
 
 plus :class:`GatherColumnLinear`, the all-gather fused with a column-parallel matmul that
-re-gathers its input in backward instead of saving it. Layers (:mod:`.layers`), sequence
+re-gathers its input in backward instead of saving it. Layers (:mod:`.sharded_layers`), sequence
 parallelism (:mod:`.sequence`) and the TP model (:mod:`.model`) are built on these.
 
 Layout: activations are [batch, seq, hidden], so the sequence is dim 1, and

@@ -19,17 +19,17 @@ import torch.nn.functional as F
 
 from course_lib.model.layers import apply_rope
 from course_lib.parallel.tensor.comms import check_divisible, tp_group
-from course_lib.parallel.tensor.layers import (
+from course_lib.parallel.tensor.sequence import (
+    check_sequence_divisible,
+    mark_sequence_parallel,
+    sync_sequence_parallel_grads,
+)
+from course_lib.parallel.tensor.sharded_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     column_region,
     vocab_parallel_cross_entropy,
-)
-from course_lib.parallel.tensor.sequence import (
-    check_sequence_divisible,
-    mark_sequence_parallel,
-    sync_sequence_parallel_grads,
 )
 
 
