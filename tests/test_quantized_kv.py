@@ -17,12 +17,10 @@ from model_minis import MLA_MINI
 from course_lib.cost.memory import kv_window_tokens, quantized_kv_bytes_per_token, quantized_kv_cache_bytes
 from course_lib.data import MarkovLanguage
 from course_lib.inference.cache import ContiguousCache
+from course_lib.inference.cachegen import cachegen_compress, cachegen_decompress, cachegen_error_bound
 from course_lib.inference.generate import generate
-from course_lib.inference.quantized import (
+from course_lib.inference.quantized_cache import (
     QuantizedCache,
-    cachegen_compress,
-    cachegen_decompress,
-    cachegen_error_bound,
     dequantize,
     error_bound,
     fake_quantize_kv,

@@ -288,7 +288,7 @@ def quantized_kv_bytes_per_token(
         E·b/8  +  2·scale_bytes·E/G'       per token (values: one (s, m) per G' = min(G, width) channels)
 
     i.e. b + 2·16/G bits per element with fp16 scales: 4-bit, G = 32 gives 5 bits, 3.2x below bf16's 16. What
-    :class:`course_lib.inference.quantized.QuantizedCache` stores per token once it is out of the full-precision
+    :class:`course_lib.inference.quantized_cache.QuantizedCache` stores per token once it is out of the full-precision
     window; :func:`quantized_kv_cache_bytes` adds the window. GQA: K and V; MLA: the latent counts as the key
     and the shared RoPE key as the value (``key_mode``, ``value_mode``)."""
     _check_kv_quant(bits, group_size, (key_mode, value_mode))
@@ -329,7 +329,7 @@ def quantized_kv_cache_bytes(
     with the window of :func:`kv_window_tokens` held at ``bytes_per_element`` (the model's dtype; scales are
     stored in it too, so ``scale_bytes = bytes_per_element`` describes QuantizedCache). The window is the
     term that does not shrink with b: R + G − 1 tokens at most. Integer arithmetic, so it can equal a
-    measurement (:meth:`course_lib.inference.quantized.QuantizedCache.stored_bytes`, divided by the batch)."""
+    measurement (:meth:`course_lib.inference.quantized_cache.QuantizedCache.stored_bytes`, divided by the batch)."""
     _check_kv_quant(bits, group_size, (key_mode, value_mode))
     window = kv_window_tokens(context, group_size, residual)
     n_q = context - window

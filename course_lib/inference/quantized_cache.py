@@ -1,4 +1,7 @@
-"""A quantized KV cache (KIVI) and a delta + entropy codec for moving one (CacheGen), lecture 06.
+"""A quantized KV cache (KIVI), lecture 06: K/V stored as INT8/INT4/INT2 codes, keys per channel, values per token.
+
+The codec that moves such a cache over a network (CacheGen) builds on these codes: :mod:`course_lib.inference.cachegen`.
+Tested in tests/test_quantized_kv.py.
 
 **Asymmetric uniform quantization.** A group of values g is stored as b-bit codes, its minimum m (the zero
 point, in the values' own units) and a step s (Jacob et al. 2018, "Quantization and Training of Neural
@@ -26,23 +29,11 @@ keys and values alike (KIVI quantizes values token by token as they leave the wi
 one rule for both). The recent tokens are the ones attention weights most, which is why the window pays for
 itself. Bytes per token, the same accounting that :func:`course_lib.cost.memory.quantized_kv_bytes_per_token`
 does: b/8 per element for the codes plus 2·(scale bytes)/``group_size`` per element for (s, m).
-
-**CacheGen** (Liu et al. 2024, "CacheGen: KV Cache Compression and Streaming for Fast Large Language Model
-Serving", SIGCOMM, arXiv:2310.07240, §5). To *send* a cache over a network, CacheGen exploits that nearby tokens
-have similar K/V: it splits the tokens into groups, keeps each group's first token as an anchor and encodes the
-others as deltas from it (deltas from the anchor rather than from the previous token, so every token decodes
-independently and errors do not accumulate along the group), quantizes the deltas and entropy-codes the codes
-with an arithmetic coder that keeps a probability model per channel and layer. :func:`cachegen_compress` does
-the same steps with a standard-library coder standing in for the arithmetic coder: ``lzma`` (LZ77 + an adaptive
-binary range coder, itself a form of arithmetic coding) or ``zlib`` (LZ77 + Huffman). Not reproduced: CacheGen's
-per-layer choice of bits (more for the shallow layers, which are more sensitive) and its streaming adaptation.
 """
 
 from __future__ import annotations
 
-import lzma
 import math
-import zlib
 from dataclasses import dataclass
 
 import torch
@@ -52,13 +43,9 @@ from course_lib.inference.cache import StepCache
 __all__ = [
     "BITS",
     "KEY_MODES",
-    "CompressedKV",
     "QuantizedCache",
     "QuantizedTensor",
-    "cachegen_compress",
-    "cachegen_decompress",
-    "cachegen_entropy_bytes",
-    "cachegen_error_bound",
+    "affine_codes",
     "dequantize",
     "error_bound",
     "fake_quantize_kv",
@@ -103,7 +90,7 @@ def _stored(value: torch.Tensor, dtype: torch.dtype, toward: float) -> torch.Ten
     return torch.where(wrong, torch.nextafter(out, torch.full_like(out, toward)), out)
 
 
-def _affine(x: torch.Tensor, bits: int, group_size: int, dim: int):
+def affine_codes(x: torch.Tensor, bits: int, group_size: int, dim: int):
     """Unpacked codes (x's shape, uint8) and the groups' step and minimum (x's shape with ``dim`` cut to
     n/group_size, x's dtype) of asymmetric quantization along ``dim``."""
     if bits not in BITS:
@@ -146,7 +133,7 @@ def quantize(x: torch.Tensor, bits: int = 8, group_size: int = 32, dim: int = -1
     (module docstring): x̂ = m + s·code, |x − x̂| ≤ s/2. ``dim=-1`` groups channels (per token), ``dim=-2``
     groups tokens (per channel) of a [..., tokens, channels] tensor."""
     dim = dim % x.dim()
-    codes, scale, zero = _affine(x, bits, group_size, dim)
+    codes, scale, zero = affine_codes(x, bits, group_size, dim)
     return QuantizedTensor(pack_codes(codes, bits), scale, zero, bits, group_size, dim, x.shape)
 
 
@@ -329,120 +316,3 @@ class QuantizedCache(StepCache):
                 heads, width, size = x.shape[1], x.shape[3], x.element_size()
                 total += self.batch * heads * width * size * self.length
         return total
-
-
-# ---------------------------------------------------------------------------------------------------- CacheGen
-CODERS = {
-    "lzma": (lambda b: lzma.compress(b, preset=9 | lzma.PRESET_EXTREME), lzma.decompress),
-    "zlib": (lambda b: zlib.compress(b, 9), zlib.decompress),
-}
-
-
-@dataclass
-class CompressedKV:
-    """A K or V tensor as CacheGen would send it: one entropy-coded ``blob`` holding the delta codes (one byte
-    a code, channel by channel), the anchors' INT8 codes and every scale and zero point; the rest is the
-    few integers a header would carry."""
-
-    blob: bytes
-    sections: tuple[int, ...]  # byte lengths of: delta codes, anchor codes, anchor (s, m), delta (s, m)
-    shape: torch.Size
-    dtype: torch.dtype
-    bits: int
-    tokens_per_group: int
-    coder: str
-
-    def nbytes(self) -> int:
-        return len(self.blob)
-
-
-# CacheGen's codec works on the bytes that go over the network: on the host, where cachegen_compress copies
-# the tensor (x.detach().cpu()) and where cachegen_decompress hands it back (the receiver moves it on).
-def _anchor_mask(n: int, tokens_per_group: int) -> torch.Tensor:
-    return torch.arange(n) % tokens_per_group == 0  # host: CacheGen's codec runs on the host (above)
-
-
-def cachegen_compress(x: torch.Tensor, bits: int = 4, tokens_per_group: int = 16, coder: str = "lzma") -> CompressedKV:
-    """x [..., tokens, channels] (a layer's K or V) -> :class:`CompressedKV` (CacheGen §5, module docstring).
-
-    Every ``tokens_per_group``-th token is an anchor, stored in INT8 per token (one (s, m) over its channels).
-    Every other token is stored as its delta from its group's *dequantized* anchor â, so that x̂ = â + Δ̂ carries
-    only the delta's error: the deltas are quantized to ``bits`` bits with one (s, m) per channel over all of the
-    tensor's tokens, |x − x̂| ≤ s/2, and the codes go through ``coder`` ("lzma" or "zlib")."""
-    if coder not in CODERS:
-        raise ValueError(f"coder={coder!r}: choose one of {tuple(CODERS)}")
-    if bits not in BITS:
-        raise ValueError(f"bits={bits}: choose one of {BITS}")
-    n = x.shape[-2]
-    xs = x.detach().cpu().reshape(-1, n, x.shape[-1])  # [rows, tokens, channels]; the bytes leave the device
-    anchors = _anchor_mask(n, tokens_per_group)
-    if anchors.all():
-        raise ValueError(f"tokens_per_group={tokens_per_group} leaves no token to delta-code; use at least 2")
-    a_codes, a_scale, a_zero = _affine(xs[:, anchors], 8, xs.shape[-1], dim=2)
-    a_hat = (a_zero.float() + a_scale.float() * a_codes.float()).to(x.dtype)
-    group = torch.arange(n)[~anchors] // tokens_per_group  # host: indexes xs, on the host; each token's anchor
-    delta = xs[:, ~anchors] - a_hat[:, group]
-    d_codes, d_scale, d_zero = _affine(delta, bits, delta.shape[1], dim=1)
-    # channel-major: each channel's codes are one run, which is what a per-channel probability model sees
-    sections = [
-        d_codes.transpose(1, 2).contiguous().numpy().tobytes(),
-        a_codes.contiguous().numpy().tobytes(),
-        torch.cat([a_scale, a_zero]).contiguous().view(torch.uint8).numpy().tobytes(),
-        torch.cat([d_scale, d_zero]).contiguous().view(torch.uint8).numpy().tobytes(),
-    ]
-    blob = CODERS[coder][0](b"".join(sections))
-    return CompressedKV(blob, tuple(map(len, sections)), x.shape, x.dtype, bits, tokens_per_group, coder)
-
-
-def _parts(c: CompressedKV):
-    raw = CODERS[c.coder][1](c.blob)
-    n, width = c.shape[-2], c.shape[-1]
-    rows = math.prod(c.shape[:-2])
-    anchors = _anchor_mask(n, c.tokens_per_group)
-    n_a = int(anchors.sum())
-    chunks, start = [], 0
-    for length in c.sections:
-        chunks.append(torch.frombuffer(bytearray(raw[start : start + length]), dtype=torch.uint8))
-        start += length
-    as_dtype = lambda t, shape: t.view(c.dtype).reshape(shape)
-    d_codes = chunks[0].reshape(rows, width, n - n_a).transpose(1, 2)
-    a_codes = chunks[1].reshape(rows, n_a, width)
-    a_scale, a_zero = as_dtype(chunks[2], (2, rows, n_a, 1))
-    d_scale, d_zero = as_dtype(chunks[3], (2, rows, 1, width))
-    return anchors, d_codes, a_codes, a_scale, a_zero, d_scale, d_zero
-
-
-def cachegen_decompress(c: CompressedKV) -> torch.Tensor:
-    """x̂ from a :class:`CompressedKV`: anchors â = m + s·code, the others â + m_Δ + s_Δ·code.
-
-    On the host, where the received bytes are decoded: the receiver moves x̂ to its device."""
-    anchors, d_codes, a_codes, a_scale, a_zero, d_scale, d_zero = _parts(c)
-    a_hat = (a_zero.float() + a_scale.float() * a_codes.float()).to(c.dtype)
-    group = torch.arange(c.shape[-2])[~anchors] // c.tokens_per_group  # host: decoded from bytes, on the host
-    out = torch.empty(a_codes.shape[0], c.shape[-2], c.shape[-1], dtype=c.dtype)  # host: as the codes
-    out[:, anchors] = a_hat
-    out[:, ~anchors] = a_hat[:, group] + (d_zero.float() + d_scale.float() * d_codes.float()).to(c.dtype)
-    return out.reshape(c.shape)
-
-
-def cachegen_error_bound(c: CompressedKV) -> torch.Tensor:
-    """Per-element bound of :func:`cachegen_decompress` in fp32: half the anchor's step for anchors, half the
-    channel's delta step for the others (plus, in 16-bit dtypes, the rounding of â + Δ̂)."""
-    anchors, d_codes, _, a_scale, _, d_scale, _ = _parts(c)
-    out = torch.empty(d_codes.shape[0], c.shape[-2], c.shape[-1])  # host: beside the decoded codes
-    out[:, anchors] = a_scale.float().expand(-1, -1, c.shape[-1]) / 2
-    out[:, ~anchors] = d_scale.float().expand(-1, d_codes.shape[1], -1) / 2
-    return out.reshape(c.shape)
-
-
-def cachegen_entropy_bytes(c: CompressedKV) -> int:
-    """Bytes of ``c`` if its delta codes took their zeroth-order entropy under one model per channel (what
-    CacheGen's arithmetic coder, with a probability table per channel and layer, approaches; tables not counted)
-    and the anchors, scales and zero points were sent as they are."""
-    _, d_codes, *_ = _parts(c)
-    per_channel = d_codes.transpose(1, 2).flatten(0, 1).long()  # [rows·channels, delta tokens]
-    # host: counts of the decoded codes, on the host where they were decoded
-    counts = torch.zeros(per_channel.shape[0], 2**c.bits).scatter_add_(1, per_channel, torch.ones(per_channel.shape))
-    p = counts / per_channel.shape[1]
-    bits = -(counts * torch.where(p > 0, p.log2(), 0.0)).sum().item()
-    return math.ceil(bits / 8) + sum(c.sections[1:])
