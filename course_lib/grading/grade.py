@@ -6,9 +6,26 @@
     ./course grade lab01 --solutions     # grades solutions/lab01_collectives (the reference)
     ./course grade lab01 --dir PATH      # grades a copy of the lab folder somewhere else
 
-Each grader module (``course_lib/grading/labs/labNN_*.py``) lists its ``TASKS``; a task's check raises
-``AssertionError("what to look at")`` on failure, and its message becomes the learner's feedback
-line. Each task runs in its own process with its own timeout, so a submission that hangs loses that
+The grader contract. A grader is a module ``course_lib/grading/labs/labNN_<name>.py`` (found by its
+prefix) that defines three things:
+
+* ``ROLES`` — a tuple of role names: the functions and classes of the learner's module that the
+  checks call (lab 03: ``("ZeroAdamW", "padded_size", "shard_of", "adamw_")``), each named as the
+  learner's file names it.
+* ``adapter(lab_dir) -> Adapter`` — builds the :class:`~course_lib.grading.adapter.Adapter` that maps
+  each role to a callable, here ``Adapter.of_file(lab_dir / "zero.py", ROLES)``: the learner's file.
+  A check never imports what it checks; it calls ``impl["ZeroAdamW"](...)``. So the same check also
+  tests course_lib's own implementation: tests/test_lab_checks.py hands the checks an
+  ``Adapter.of_library(role="course_lib.module:attribute", ...)``, with tests/lab_shims.py where the
+  lab's interface and the library's differ.
+* ``TASKS`` — a list of :class:`Task` ``(name, points, check, timeout, setup, needs)``: the rows of the
+  table. ``check(impl)`` raises ``AssertionError("what to look at")`` on failure, and its message
+  becomes the learner's feedback line; ``timeout`` bounds it (seconds); ``setup`` rows are earned by
+  an untouched starter (it imports, the files are in place); ``needs`` lists the checks of other
+  tasks this one relies on. A name starting ``Task N:`` (or ``Tasks 3+4``, ``Tasks 1-3``) says which
+  tasks the row grades, for ``--task``.
+
+Each task runs in its own process with its own timeout, so a submission that hangs loses that
 task's points and grading goes on. Exit code 0 only on full marks.
 
 Feedback says where: an exception raised in the learner's code names the innermost line of the
