@@ -7,10 +7,11 @@ the source can be below H (cross-entropy = H + a KL divergence >= 0), so every t
 the course is plotted against a line it can approach but, up to sampling noise, never cross
 (lecture 01: AdamW vs SGD+momentum against the floor).
 
-Reading order: drawing transition tables from a Dirichlet -> ``MarkovLanguage`` (the source, its
-stationary distribution, its entropies, sampling) -> ``TokenDataset`` (next-token windows, sharding,
-data-parallel batches). The vocabulary, its text form and its Hugging Face tokenizer are in
-:mod:`course_lib.model.tokenizer` (re-exported here).
+Reading order: ``MarkovLanguage`` (the source, its transition table drawn from a Dirichlet by
+:mod:`course_lib.dirichlet`, its stationary distribution, its entropies, sampling) -> ``TokenDataset``
+(next-token windows, sharding, data-parallel batches). The vocabulary, its text form and its Hugging
+Face tokenizer are in :mod:`course_lib.model.tokenizer`. Tested in tests/test_data.py (the language)
+and tests/test_token_dataset.py (windows and batches).
 
 Vocabulary (:mod:`course_lib.model.tokenizer`): 64 ids, of which 0..59 are symbol slots; a language with
 n_symbols = m emits symbol s as token id s, so it uses ids 0..m-1. Sixty slots let a lecture build a harder language (more symbols) without changing the model's
@@ -42,6 +43,7 @@ from collections.abc import Iterator
 
 import torch
 
+from course_lib.dirichlet import sample_dirichlet
 from course_lib.model.tokenizer import N_SYMBOL_SLOTS, VOCAB_SIZE
 
 # ----------------------------------------------------------------------------------------------
@@ -58,47 +60,6 @@ def _generator(seed: int, stream: int) -> torch.Generator:
     if not isinstance(seed, int) or not 0 <= seed < 2**60:
         raise ValueError(f"seed must be an int in [0, 2**60), got {seed!r}")
     return torch.Generator().manual_seed(seed * _N_STREAMS + stream)
-
-
-def _log_gamma_variates(shape: float, size: int, generator: torch.Generator) -> torch.Tensor:
-    """log X for ``size`` draws X ~ Gamma(shape, 1), float64.
-
-    Marsaglia & Tsang (2000), "A simple method for generating gamma variables", ACM TOMS 26(3):
-    for a >= 1 put d = a - 1/3, c = 1/sqrt(9d); draw x ~ N(0,1), v = (1 + c x)^3, u ~ U(0,1) and
-    accept d*v when v > 0 and log u < x^2/2 + d - d v + d log v (acceptance > 95%). For a < 1 they
-    use Gamma(a) = Gamma(a+1) * U^(1/a). torch.distributions.Gamma cannot take a torch.Generator,
-    hence this. The result stays in log space because U^(1/a) underflows float64 for small a.
-    """
-    boost = shape < 1.0
-    a = shape + 1.0 if boost else shape
-    d = a - 1.0 / 3.0
-    c = 1.0 / math.sqrt(9.0 * d)
-    out = torch.empty(size, dtype=torch.float64)
-    todo = torch.arange(size)
-    while todo.numel() > 0:  # each pass accepts > 95% of what is left
-        x = torch.randn(todo.numel(), generator=generator, dtype=torch.float64)
-        u = torch.rand(todo.numel(), generator=generator, dtype=torch.float64)
-        v = (1.0 + c * x) ** 3
-        log_v = torch.log(v.clamp_min(1e-300))  # v <= 0 is rejected below anyway
-        accept = (v > 0) & (torch.log(u) < 0.5 * x * x + d - d * v + d * log_v)
-        out[todo[accept]] = math.log(d) + log_v[accept]
-        todo = todo[~accept]
-    if boost:
-        u = 1.0 - torch.rand(size, generator=generator, dtype=torch.float64)  # in (0, 1]
-        out += torch.log(u) / shape
-    return out
-
-
-def sample_dirichlet(concentration: float, n_rows: int, n_cols: int, generator: torch.Generator) -> torch.Tensor:
-    """``n_rows`` independent draws from the symmetric Dirichlet(concentration, ..., concentration)
-    on ``n_cols`` outcomes, float64 [n_rows, n_cols], rows summing to 1.
-
-    p = (G_1, ..., G_n) / sum_i G_i with G_i ~ Gamma(concentration) independent. Small
-    concentration -> most mass on a few outcomes (low entropy); 1 -> uniform on the simplex;
-    large -> every row near uniform. The mean row entropy is psi(n a + 1) - psi(a + 1).
-    """
-    log_g = _log_gamma_variates(concentration, n_rows * n_cols, generator).view(n_rows, n_cols)
-    return torch.softmax(log_g, dim=-1)  # = G / sum G, computed from logs without underflow
 
 
 # ----------------------------------------------------------------------------------------------

@@ -35,7 +35,8 @@ BELOW_PARALLEL = (
 ALLOWED = {
     "dist": BASE,
     "model": BASE,
-    "data": (*BASE, "course_lib.model.tokenizer"),  # token ids: the language is written in the course vocabulary
+    "data": (*BASE, "course_lib.model.tokenizer", "course_lib.dirichlet"),  # token ids; its tables' Dirichlet draws
+    "dirichlet": (),  # torch only: Dirichlet draws from a torch.Generator
     "optim": BASE,
     "precision": BASE,
     "cost": (*BASE, "course_lib.model.config"),  # formulas read a ModelConfig's sizes

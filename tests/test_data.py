@@ -1,8 +1,8 @@
-"""Tests for course_lib.data: the entropy floor is exact, samples obey it, batches shard exactly.
+"""Tests for course_lib.data's language and course_lib.dirichlet: the entropy floor is exact, samples obey it.
 
-Entropies are checked against chains whose entropy rate can be worked out by hand; samples are
-checked against those exact numbers with a stated statistical tolerance; the data-parallel batch
-property is checked as the identity it promises (concatenated rank batches == global batch).
+Entropies are checked against chains whose entropy rate can be worked out by hand; the Dirichlet
+tables against the closed-form mean row entropy; samples against those exact numbers with a stated
+statistical tolerance. The windows and batches cut from the samples: tests/test_token_dataset.py.
 """
 
 import math
@@ -11,52 +11,13 @@ import time
 import pytest
 import torch
 
-from course_lib import data
-from course_lib.data import MarkovLanguage, TokenDataset, make_dataset
-from course_lib.model.tokenizer import (
-    BOS_ID,
-    EOS_ID,
-    PAD_ID,
-    UNK_ID,
-    VOCAB,
-    VOCAB_SIZE,
-    decode,
-    encode,
-    save_hf_tokenizer,
-)
+from course_lib import data, dirichlet
+from course_lib.data import MarkovLanguage, make_dataset
 
 
 def h2(p: float) -> float:
     """Binary entropy in nats, written out by hand."""
     return -p * math.log(p) - (1 - p) * math.log(1 - p)
-
-
-# ------------------------------------------------------------------------------------------
-# vocabulary
-# ------------------------------------------------------------------------------------------
-
-
-def test_vocabulary_layout():
-    assert VOCAB_SIZE == 64 and VOCAB_SIZE % 8 == 0, "VOCAB_SIZE is 64, a multiple of 8 (lec. 01)"
-    assert len(VOCAB) == VOCAB_SIZE and len(set(VOCAB)) == VOCAB_SIZE, "one distinct string per id"
-    assert (BOS_ID, EOS_ID, PAD_ID, UNK_ID) == (60, 61, 62, 63), "special tokens sit after the 60 symbol slots"
-    assert all(" " not in t for t in VOCAB), "no spaces inside tokens"
-
-
-def test_encode_decode_round_trip():
-    ids = list(range(VOCAB_SIZE))
-    assert encode(decode(ids)) == ids, "encode must invert decode on every id"
-    assert decode(torch.tensor([0, 6, EOS_ID])) == "ba de <eos>", "symbol s prints as VOCAB[s]"
-    assert encode("  ba\nde   <eos> ") == [0, 6, EOS_ID], "any whitespace separates tokens"
-
-
-def test_encode_decode_errors_name_the_constraint():
-    with pytest.raises(ValueError, match="'xo' is not a token"):
-        encode("ba xo")
-    with pytest.raises(ValueError, match="0..63"):
-        decode([0, 64])
-    with pytest.raises(ValueError, match="one sequence"):
-        decode(torch.zeros(2, 3, dtype=torch.long))
 
 
 # ------------------------------------------------------------------------------------------
@@ -186,7 +147,7 @@ def test_loss_floor_counts_the_short_contexts_at_a_window_start():
 @pytest.mark.parametrize("shape", [0.3, 2.5])
 def test_gamma_variates_have_the_gamma_mean_and_variance(shape):
     n = 200_000
-    x = data._log_gamma_variates(shape, n, torch.Generator().manual_seed(0)).exp()
+    x = dirichlet._log_gamma_variates(shape, n, torch.Generator().manual_seed(0)).exp()
     # Gamma(a, 1) has mean a and variance a. Standard errors: sqrt(a/n) for the mean and
     # a sqrt((2 + 6/a)/n) for the variance (excess kurtosis 6/a); we allow 5 of them.
     assert x.mean().item() == pytest.approx(shape, abs=5 * math.sqrt(shape / n)), "E[Gamma(a)] = a"
@@ -197,7 +158,7 @@ def test_gamma_variates_have_the_gamma_mean_and_variance(shape):
 
 def test_dirichlet_mean_row_entropy_matches_closed_form():
     n, alpha, rows = 16, 0.3, 20_000
-    p = data.sample_dirichlet(alpha, rows, n, torch.Generator().manual_seed(1))
+    p = dirichlet.sample_dirichlet(alpha, rows, n, torch.Generator().manual_seed(1))
     assert torch.allclose(p.sum(1), torch.ones(rows, dtype=torch.float64)), "rows must sum to 1"
     mean_h = data._entropy(p).mean().item()
     psi = torch.special.digamma
@@ -290,141 +251,3 @@ def test_language_errors_name_the_constraint():
         MarkovLanguage.from_transitions(torch.full((5, 2), 0.5))
     with pytest.raises(ValueError, match="probability distribution"):
         MarkovLanguage.from_transitions(torch.full((2, 2), 0.6))
-
-
-# ------------------------------------------------------------------------------------------
-# datasets, shards, data-parallel batches
-# ------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def dataset() -> TokenDataset:
-    return make_dataset(MarkovLanguage(), n_tokens=24 * 16 + 1, seq_len=16, seed=0)  # 24 sequences
-
-
-def test_make_dataset_windows_are_the_stream_shifted_by_one():
-    lang = MarkovLanguage()
-    ds = make_dataset(lang, n_tokens=1000, seq_len=32, seed=3)
-    stream = lang.sample(1000, seed=3)
-    assert ds.inputs.shape == (999 // 32, 32) and ds.seq_len == 32
-    assert torch.equal(ds.inputs.flatten(), stream[: ds.inputs.numel()]), "inputs tile the stream"
-    assert torch.equal(ds.targets.flatten(), stream[1 : ds.inputs.numel() + 1]), (
-        "targets[i, t] must be the token after inputs[i, t]"
-    )
-    x, y = ds[0]
-    assert torch.equal(x[1:], y[:-1])
-    with pytest.raises(ValueError, match="at least seq_len \\+ 1"):
-        make_dataset(lang, n_tokens=32, seq_len=32, seed=0)
-
-
-def test_shards_are_disjoint_and_complete(dataset):
-    for world in (1, 2, 3, 4, 6):
-        shards = [dataset.shard(r, world) for r in range(world)]
-        assert all(len(s) == len(dataset) // world for s in shards), "equal shards, or ranks hang"
-        assert torch.equal(torch.cat([s.inputs for s in shards]), dataset.inputs), (
-            f"at world_size={world} the shards in rank order must be the dataset, each row once"
-        )
-        assert torch.equal(torch.cat([s.targets for s in shards]), dataset.targets)
-
-
-def test_shard_refuses_an_uneven_split_unless_asked(dataset):
-    uneven = "24 sequences cannot be split evenly over world_size=5"
-    with pytest.raises(ValueError, match=uneven) as e:
-        dataset.shard(0, 5)
-    assert "drop_last=True" in str(e.value), "the error must name the way out"
-    shards = [dataset.shard(r, 5, drop_last=True) for r in range(5)]
-    assert torch.equal(torch.cat([s.inputs for s in shards]), dataset.inputs[:20]), (
-        "drop_last drops the last n_seq mod world_size sequences, nothing else"
-    )
-    with pytest.raises(ValueError, match="rank must be an int in 0..world_size-1"):
-        dataset.shard(2, 2)
-
-
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_rank_batches_concatenate_to_the_single_process_batch(dataset, world_size):
-    batch_size = 2  # global batch 2 * world_size; 24 sequences -> 12, 6, 4, 3 steps per epoch
-    global_batches = list(dataset.batches(batch_size * world_size, seed=11, epochs=2))
-    per_rank = [list(dataset.batches(batch_size, r, world_size, seed=11, epochs=2)) for r in range(world_size)]
-    assert all(len(b) == len(global_batches) for b in per_rank), "every rank runs the same steps"
-    for step, (gx, gy) in enumerate(global_batches):
-        x = torch.cat([per_rank[r][step][0] for r in range(world_size)])
-        y = torch.cat([per_rank[r][step][1] for r in range(world_size)])
-        assert torch.equal(x, gx) and torch.equal(y, gy), (
-            f"step {step}: the {world_size} rank batches, concatenated in rank order, must equal "
-            f"the single-process batch of {batch_size * world_size}; DDP is checked against "
-            "single-process training on exactly this identity"
-        )
-
-
-def test_an_epoch_visits_each_sequence_at_most_once(dataset):
-    rows = {tuple(r) for r in dataset.inputs.tolist()}
-    assert len(rows) == len(dataset), "fixture sequences should be distinct for this test"
-    for epoch_batches in (list(dataset.batches(5, seed=0)), list(dataset.batches(8, seed=0))):
-        seen = [tuple(r) for x, _ in epoch_batches for r in x.tolist()]
-        assert len(seen) == len(set(seen)), "within an epoch no sequence may repeat"
-        assert set(seen) <= rows
-    assert len(list(dataset.batches(5))) == 24 // 5, "the last incomplete global batch is dropped"
-    two_epochs = list(dataset.batches(8, seed=0, epochs=2))  # 3 steps each
-    e1, e2 = two_epochs[:3], two_epochs[3:]
-    assert not all(torch.equal(a[0], b[0]) for a, b in zip(e1, e2)), "each epoch reshuffles"
-
-
-def test_batches_are_deterministic_and_seeded(dataset):
-    def first(seed, **kw):
-        return next(iter(dataset.batches(4, seed=seed, **kw)))[0]
-
-    assert torch.equal(first(1), first(1)), "same seed, same batches"
-    assert not torch.equal(first(1), first(2)), "different seeds must shuffle differently"
-    assert torch.equal(first(1, shuffle=False), dataset.inputs[:4]), "shuffle=False keeps order"
-    forever = dataset.batches(12, epochs=None)
-    assert len([next(forever) for _ in range(7)]) == 7, "epochs=None never stops"
-
-
-def test_batch_errors_name_the_constraint(dataset):
-    with pytest.raises(ValueError, match="global batch batch_size \\* world_size = 8 \\* 4 = 32"):
-        next(iter(dataset.batches(8, rank=0, world_size=4)))
-    with pytest.raises(ValueError, match="rank must be an int in 0..world_size-1 = 0..1"):
-        next(iter(dataset.batches(2, rank=2, world_size=2)))
-    with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
-        next(iter(dataset.batches(0)))
-
-
-# ------------------------------------------------------------------------------------------
-# Hugging Face tokenizer
-# ------------------------------------------------------------------------------------------
-
-
-def test_hf_tokenizer_round_trip(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
-
-    save_hf_tokenizer(tmp_path / "tok")
-    tok = AutoTokenizer.from_pretrained(tmp_path / "tok", local_files_only=True)
-    assert len(tok) == VOCAB_SIZE, "the HF tokenizer must have exactly the course vocabulary"
-    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id) == (
-        BOS_ID,
-        EOS_ID,
-        PAD_ID,
-        UNK_ID,
-    ), "special token ids must match course_lib's"
-    sample = MarkovLanguage().sample(200, seed=0).tolist() + [EOS_ID, BOS_ID, 3]
-    text = decode(sample)
-    assert tok.encode(text) == encode(text) == sample, (
-        "AutoTokenizer must give course_lib's ids, with no <bos> added: vLLM and transformers "
-        "generation are compared token by token against course_lib"
-    )
-    assert tok.decode(sample) == text, "HF decode must print the same text as course_lib.decode"
-    assert tok.encode("ba xo") == [0, UNK_ID], "HF maps unknown words to <unk> (course_lib raises)"
-
-
-def test_hf_tokenizer_padded_vocabulary(tmp_path):
-    from transformers import AutoTokenizer
-
-    save_hf_tokenizer(tmp_path / "tok", vocab_size=72)
-    tok = AutoTokenizer.from_pretrained(tmp_path / "tok", local_files_only=True)
-    assert len(tok) == 72 and tok.convert_ids_to_tokens(71) == "<reserved_71>", (
-        "ids past VOCAB_SIZE in a padded embedding become reserved special tokens"
-    )
-    assert tok.encode("ba de") == [0, 6]
-    with pytest.raises(ValueError, match="vocab_size must be an int >= VOCAB_SIZE = 64"):
-        save_hf_tokenizer(tmp_path / "bad", vocab_size=32)
