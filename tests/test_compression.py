@@ -23,16 +23,8 @@ from course_lib.dist import counter, device, launch
 from course_lib.measure import compression as compression_runs
 from course_lib.model import config as configs
 from course_lib.model.transformer import Transformer, next_token_loss
-from course_lib.optim.compression import (
-    PowerSGDState,
-    QSGDState,
-    TopKState,
-    pack_bits,
-    powersgd_hook,
-    qsgd_dequantize,
-    qsgd_quantize,
-    unpack_bits,
-)
+from course_lib.optim.compression import QSGDState, TopKState, pack_bits, qsgd_dequantize, qsgd_quantize, unpack_bits
+from course_lib.optim.powersgd import PowerSGDState, powersgd_hook
 from course_lib.parallel.data.comm_hook import GradBucket
 from course_lib.parallel.data.ddp import DistributedDataParallel, split_batch
 
