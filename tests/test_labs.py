@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from course_lib.cli import PORTABILITY_MATRIX
-from course_lib.dist import trace
+from course_lib.dist import chrome_trace
 from course_lib.grading import grade, starters
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -160,7 +160,7 @@ def test_lab02_run_py_writes_one_chrome_trace_of_every_rank(accelerate_launch, t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"], "--trace must write PATH and nothing beside it"
     assert set(ROOT.glob("*.json")) == root_json, "--trace must not write into the working directory"
     chrome = json.loads(path.read_text())
-    totals = trace.check_chrome(chrome)
+    totals = chrome_trace.check_chrome(chrome)
     assert sorted(totals) == [0, 1], f"one process per rank: {sorted(totals)}"
     named = {e["pid"]: e["args"]["name"] for e in chrome["traceEvents"] if e["name"] == "process_name"}
     assert named == {0: "rank 0", 1: "rank 1"}, named

@@ -6,6 +6,7 @@
 * :mod:`~course_lib.dist.intercept` — reports each ``torch.distributed`` call to its observers:
 * :mod:`~course_lib.dist.counter` — calls and bytes per collective and process group;
 * :mod:`~course_lib.dist.trace`   — per-rank timeline of compute and communication spans.
+* :mod:`~course_lib.dist.chrome_trace` — all ranks' timelines as one Chrome trace-event file (Perfetto).
 * :mod:`~course_lib.dist.census`  — bytes of the storages a rank holds (parameters, gradients, state).
 * :mod:`~course_lib.dist.ordered` — an all-reduce that adds the ranks' tensors in rank order (deterministic).
 * :mod:`~course_lib.dist.script`  — the frame of a script under ``accelerate launch`` (the labs' run.py).

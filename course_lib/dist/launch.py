@@ -44,7 +44,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from course_lib.dist import runtime
+from course_lib.dist import chrome_trace, runtime
 from course_lib.dist import trace as tracing
 
 HOST = "127.0.0.1"
@@ -174,7 +174,7 @@ def _run_traced(fn: Callable, profile: bool, *args, **kwargs):
     """``fn`` under a recorded timeline (and torch.profiler when ``profile``): its result and the trace."""
     with tracing.record() as timeline:
         if profile:
-            with tracing.profile() as prof:
+            with chrome_trace.profile() as prof:
                 result = fn(*args, **kwargs)
         else:
             result, prof = fn(*args, **kwargs), {}
@@ -197,7 +197,7 @@ def launch(
     bounds the whole run and every collective in it.
 
     ``trace="run.json"`` records every rank's timeline while ``fn`` runs and writes them as one Chrome
-    trace-event file (:func:`course_lib.dist.trace.write`: open it in ui.perfetto.dev); with
+    trace-event file (:func:`course_lib.dist.chrome_trace.write`: open it in ui.perfetto.dev); with
     ``profile=True`` torch.profiler's aten ops of each rank are merged into it, on the same clock.
     """
     if not isinstance(world_size, int) or world_size < 1:
@@ -207,7 +207,7 @@ def launch(
     if trace is not None:
         traced = launch(functools.partial(_run_traced, fn, profile), world_size, *args, timeout=timeout, **kwargs)
         profiles = {t.rank: p for _, t, p in traced if p is not None}
-        tracing.write(trace, [t for _, t, _ in traced], profiles or None)
+        chrome_trace.write(trace, [t for _, t, _ in traced], profiles or None)
         return [result for result, _, _ in traced]
     # The rule is applied here first: a forced backend that cannot work is refused before any rank
     # starts, and a fall-back from a present accelerator to CPU ranks is said once, not hidden.

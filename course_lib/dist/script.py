@@ -3,7 +3,7 @@
 Each entry script does the same around what its lab is about: parse its options and ``--trace PATH``,
 join the process group the launcher describes (:func:`course_lib.dist.init` reads RANK, WORLD_SIZE and
 MASTER_ADDR/PORT from the environment), run its body on every rank — recorded into one Chrome trace of
-all ranks when ``--trace`` is given (:func:`course_lib.dist.trace.to_file`) — and leave the group. Here
+all ranks when ``--trace`` is given (:func:`course_lib.dist.chrome_trace.to_file`) — and leave the group. Here
 that frame is written once; a script keeps its options and its body::
 
     def run(args) -> None:  # on every rank, after init
@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from course_lib.dist import runtime, trace
+from course_lib.dist import chrome_trace, runtime
 
 TRACE_HELP = "write every rank's timeline to PATH as one Chrome trace (open it in ui.perfetto.dev)"
 
@@ -47,7 +47,7 @@ def main(body: Callable[[argparse.Namespace], str | None], options: argparse.Arg
     message (why the script stopped early) makes the script exit with it, after the group is left."""
     args = options.parse_args(argv)
     runtime.init()
-    with trace.to_file(args.trace):  # None: records nothing
+    with chrome_trace.to_file(args.trace):  # None: records nothing
         stop = body(args)
     runtime.shutdown()
     if stop is not None:
