@@ -1,1 +1,1 @@
-"""Pipeline parallelism: schedules as data, a simulator, and the runtime that executes them (lecture 03)."""
+"""Pipeline parallelism (lecture 03): schedules as data, a simulator, and the executor that runs them."""

@@ -1,8 +1,11 @@
 """Pipeline schedules as data: for each rank, the list of actions it runs in one training step.
 
-A model cut into ``n_stages`` consecutive stages runs on ``p`` ranks; a step feeds ``m``
-micro-batches through it. Each rank holds ``v = n_stages / p`` stages (model chunks), placed by
-``placement[stage] = rank``. A schedule says, per rank, in which order to run
+The symbols are those of Narayanan et al. 2021 (*Efficient Large-Scale Language Model Training on
+GPU Clusters Using Megatron-LM*, §2.2): a model cut into ``n_stages`` consecutive stages runs on
+``p`` ranks (the pipeline's ``pp_size``); a step feeds ``m`` micro-batches through it; each rank
+holds ``v = n_stages / p`` stages (model chunks), placed by ``placement[stage] = rank``. A schedule
+says, per rank, in which order to run the passes of Qi et al. 2023 (*Zero Bubble Pipeline
+Parallelism*, §2, whose B is our I; we follow torch.distributed.pipelining's names)
 
     F  forward of micro-batch i on stage s          I  backward for the input only (dL/dx)
     B  backward, input and weight gradients         W  backward for the weights only (dL/dθ)
@@ -14,7 +17,7 @@ and, where a neighbouring stage lives on another rank, the point-to-point messag
 
 Sends are non-blocking; a receive blocks until its message arrives. The same lists drive
 :mod:`course_lib.parallel.pipeline.simulate` (a timeline from per-action costs, without a model)
-and :mod:`course_lib.parallel.pipeline.runtime` (the course model over torch.distributed).
+and :mod:`course_lib.parallel.pipeline.executor` (the course model over torch.distributed).
 
 The schedules, each a function of (p, m[, v]):
 
@@ -24,18 +27,21 @@ The schedules, each a function of (p, m[, v]):
     interleaved  1F1B over v chunks per rank, stage s on rank s mod p; forwards go through chunk
                  0 for p micro-batches, then chunk 1, ... (Narayanan et al. 2021, §2.2.2); m must be
                  a multiple of p
-    zb-h1        1F1B with each backward split into I and W; rank r delays its W's by r
-                 backwards so that they fill the idle time at the end of the step (Qi et al. 2023,
-                 *Zero Bubble Pipeline Parallelism*, §3, ZB-H1: the same peak memory as 1F1B)
+    zb-h1        1F1B with each backward split into I and W; rank r delays its W's by r backwards
+                 so that they fill the idle time at the end of the step (Qi et al. 2023, §2.1, ZB-H1:
+                 the same peak memory as 1F1B)
     dualpipev    two stages per rank in a V, forward of one paired with backward of the other
                  (DeepSeek-V3 technical report 2024, §3.2.1, DualPipe; its V-shaped variant); m >= 2p
+
+Tested in tests/test_pipeline.py (lists valid, no deadlock, bubble and in-flight = cost/pipeline.py)
+and by the grader checks of course_lib/grading/labs/lab05_pipeline.py, via tests/test_lab_checks.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-F, B, I, W = "F", "B", "I", "W"  # noqa: E741 (the zero-bubble paper's names for the four passes)
+F, B, I, W = "F", "B", "I", "W"  # noqa: E741 (the four passes of the module docstring)
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 COMPUTE = (F, B, I, W)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev")
@@ -110,78 +116,85 @@ def _interleaved(p: int, m: int, v: int, r: int) -> list[Action]:
     walk the chunks in reverse. Warm-up: 2(p - r - 1) + (v - 1)·p forwards."""
     total = m * v
 
-    def mb(k: int) -> int:
+    def microbatch(k: int) -> int:
         return (k // (p * v)) * p + k % p
 
-    def fwd(k: int) -> Action:
-        return Action(F, mb(k), ((k // p) % v) * p + r)
+    def forward(k: int) -> Action:
+        return Action(F, microbatch(k), ((k // p) % v) * p + r)
 
-    def bwd(k: int) -> Action:
-        return Action(B, mb(k), (v - 1 - (k // p) % v) * p + r)
+    def backward(k: int) -> Action:
+        return Action(B, microbatch(k), (v - 1 - (k // p) % v) * p + r)
 
     warmup = min(2 * (p - r - 1) + (v - 1) * p, total)
-    out = [fwd(k) for k in range(warmup)]
+    out = [forward(k) for k in range(warmup)]
     for k in range(total - warmup):
-        out += [fwd(warmup + k), bwd(k)]
-    return out + [bwd(k) for k in range(total - warmup, total)]
+        out += [forward(warmup + k), backward(k)]
+    return out + [backward(k) for k in range(total - warmup, total)]
+
+
+class _VRank:
+    """One rank's DualPipeV list, written an action at a time: each (stage, pass) takes the next
+    micro-batch in order, and each I queues its W until a W slot comes (``add(W)``: the oldest)."""
+
+    def __init__(self) -> None:
+        self.actions: list[Action] = []
+        self._next: dict[tuple[int, bool], int] = {}  # (stage, forward?) -> its next micro-batch
+        self.queued_w: list[tuple[int, int]] = []  # (micro-batch, stage) of each I whose W has not run
+
+    def add(self, op: str, stage: int | None) -> None:
+        if op == W:
+            if self.queued_w:
+                self.actions.append(Action(W, *self.queued_w.pop(0)))
+            return
+        key = (stage, op == F)  # B and I share one count: each micro-batch's backward runs once
+        i = self._next.get(key, 0)
+        self._next[key] = i + 1
+        self.actions.append(Action(op, i, stage))
+        if op == I:
+            self.queued_w.append((i, stage))
 
 
 def _dualpipe_v(p: int, m: int, r: int) -> list[Action]:
-    """DualPipeV: DeepSeek's DualPipe (DeepSeek-V3 report, §3.2.1) folded into a V. Rank r holds
-    stage r (chunk 0, going down) and stage 2p - 1 - r (chunk 1, coming back up), so the last rank
-    holds the two middle stages and rank 0 both ends. In the main phase every forward of one chunk is
-    paired with a backward of the other (written F then B here): on a GPU the pair runs together, one's
-    computation hiding the other's communication (the MoE all-to-alls DualPipe was built for). Near the
-    end, backwards split into I and W and queued W's fill the gaps. Eight phases per rank, following
-    the open-source DualPipeV: F0 · F0 F1 · I1 W F1 · (F0 B1)(F1 B0) · B1 (F1 B0) · B1 B0 · W B0 · W."""
+    """DualPipeV: DualPipe (DeepSeek-V3 technical report, §3.2.1) cut in half into a V (Sea AI Lab's
+    "Cut-in-half"; the open-source DualPipeV, whose eight steps the table below follows).
+
+    The V: rank r holds stage r (chunk 0, on the way down) and stage 2p - 1 - r (chunk 1, on the way
+    back up): the last rank holds the two middle stages (the tip), rank 0 both ends (embedding, loss).
+    The F/B pairing: in the steady state every forward of one chunk comes with a backward of the
+    other (two cells in one black border in the report's Fig. 5), which a GPU runs overlapped, one's
+    computation hiding the other's communication (Fig. 4); written F then B here. Near the end the
+    backwards split into I and W, and the queued W's fill the gaps (Qi et al. 2023, §2)."""
     down, up = r, 2 * p - 1 - r
-    out: list[Action] = []
-    count: dict[tuple, int] = {}
-    queued_w: list[tuple[int, int]] = []
-    split = False
-
-    def add(op: str, stage: int) -> None:
-        key = (stage, F if op == F else I)  # B, I share one counter: each micro-batch's backward once
-        i = count.get(key, 0)
-        count[key] = i + 1
-        out.append(Action(op, i, stage))
-        if op == I:
-            queued_w.append((i, stage))
-
-    def weight() -> None:
-        if queued_w:
-            i, stage = queued_w.pop(0)
-            out.append(Action(W, i, stage))
-
-    for _ in range(2 * (p - r - 1)):  # 1: fill chunk 0
-        add(F, down)
-    for _ in range(r + 1):  # 2: both chunks forward
-        add(F, down)
-        add(F, up)
-    for _ in range(p - r - 1):  # 3: first backwards of chunk 1, zero-bubble style
-        add(I, up)
-        weight()
-        add(F, up)
-    for _ in range(m - 2 * p + r + 1):  # 4: the main phase, forward of one chunk with backward of the other
-        add(F, down)
-        add(B, up)
-        add(F, up)
-        add(B, down)
-    for _ in range(p - r - 1):  # 5
-        add(B, up)
-        add(F, up)
-        add(B, down)
-    for i in range(r + 1):  # 6: drain both chunks; the second half splits off W
-        split = split or (i == (r + 1) // 2 and r % 2 == 1)
-        add(I if split else B, up)
-        split = split or (i == (r + 1) // 2 and r % 2 == 0)
-        add(I if split else B, down)
-    for _ in range(p - r - 1):  # 7
-        weight()
-        add(I if split else B, down)
-    while queued_w:  # 8: the W's left
-        weight()
-    return out
+    below = p - r - 1  # ranks between this one and the tip of the V
+    F0, F1, B0, B1, I0, I1 = (F, down), (F, up), (B, down), (B, up), (I, down), (I, up)
+    W_ = (W, None)  # the W of the oldest I still queued
+    # the cool-down's 2(r + 1) backwards, chunk 1 and chunk 0 in turn: the first half whole, the second split
+    drain = [(B if k <= r else I, up if k % 2 == 0 else down) for k in range(2 * r + 2)]
+    phases = (  # (rounds, one round): the open-source DualPipeV's steps 1 to 8 on rank r
+        # 1 warm-up: chunk 0 alone, while the first micro-batch goes down to the tip and back up here
+        (2 * below, [F0]),
+        # 2 both chunks forward, until chunk 1's first gradient comes back from the loss on rank 0
+        (r + 1, [F0, F1]),
+        # 3 chunk 1's first backwards, I first (its gradient leaves for rank r + 1 before the W)
+        (below, [I1, W_, F1]),
+        # 4 steady state, the pairs of the report's figure: F0 with B1, then F1 with B0
+        (m - 2 * p + r + 1, [F0, B1, F1, B0]),
+        # 5 chunk 0's forwards are done: B1 alone, then the pair F1 with B0
+        (below, [B1, F1, B0]),
+        # 6 cool-down: the last backwards of both chunks, the second half split into I and W
+        (1, drain),
+        # 7 the queued W's fill the wait for chunk 0's last gradients
+        (below, [W_, I0]),
+        # 8 the W's left
+        (r + 1, [W_]),
+    )
+    rank = _VRank()
+    for rounds, pattern in phases:
+        for _ in range(rounds):
+            for op, stage in pattern:
+                rank.add(op, stage)
+    assert not rank.queued_w, "every I has its W"
+    return rank.actions
 
 
 # ----------------------------------------------------------------------------- messages

@@ -5,11 +5,14 @@ Each rank walks its list in order. A compute action starts when the rank is free
 and its message arrives ``link`` seconds after it is sent; a receive waits for its message. If no
 rank can move and some have actions left, the schedule would deadlock: :class:`Deadlock` says
 which rank waits on what. The spans are :class:`course_lib.dist.trace.Span`, the same type the
-runtime records, so one plot draws both.
+executor records, so one plot draws both.
 
     sim = simulate(build("1f1b", p=4, m=8), {"F": 1.0, "B": 2.0})
     sim.bubble_fraction()        # (p - 1) / (m + p - 1) = 3/11 for equal stages
     sim.peak_in_flight()         # [4, 3, 2, 1]: micro-batches whose activations each rank holds
+
+Tested in tests/test_pipeline.py (bubble and in-flight counts against cost/pipeline.py's formulas,
+deadlocks named) and by course_lib/grading/labs/lab05_pipeline.py's checks, via tests/test_lab_checks.py.
 """
 
 from __future__ import annotations

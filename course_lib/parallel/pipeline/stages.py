@@ -94,7 +94,7 @@ def split(
     """``model`` cut into ``n_stages`` stages, balanced by parameter count or by ``block_costs``; with
     ``uniform``, the same number of blocks on every stage, as Megatron-LM lays out its (virtual)
     pipeline stages, which requires n_layers to be a multiple of n_stages (= p·v)."""
-    count = lambda m: sum(p.numel() for p in m.parameters())
+    count = lambda module: sum(t.numel() for t in module.parameters())
     n_layers = len(model.layers)
     if uniform:
         if n_layers % n_stages:
