@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from course_lib import data
 from course_lib.dist import device, launch
 from course_lib.dist.timing import clock
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer, next_token_loss
 from course_lib.parallel.data.ddp import DistributedDataParallel, split_batch
 

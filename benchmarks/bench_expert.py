@@ -1,4 +1,4 @@
-"""Expert parallelism: step time and all-to-all bytes at ep = 1, 2, 4 against course_lib.cost.comm — one run.
+"""Expert parallelism: step time and all-to-all bytes at ep = 1, 2, 4 against course_lib.cost.expert_dispatch — one run.
 
     .venv/bin/python benchmarks/bench_expert.py
     .venv/bin/python benchmarks/bench_expert.py --steps 8 --batch 16 --fp8
@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from course_lib.cost.comm import ep_comm_time, ep_dispatch_bytes, fp8_bytes_per_element
+from course_lib.cost.expert_dispatch import ep_comm_time, ep_dispatch_bytes, fp8_bytes_per_element
 from course_lib.measure.expert import a2a_bandwidth, dense_config, moe_config, train_dense, train_moe
 
 

@@ -19,7 +19,7 @@ matplotlib.use("Agg")
 import torch
 
 from course_lib.measure.decode import decode_speed
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 from course_lib.plots import inference as plots
 

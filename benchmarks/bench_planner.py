@@ -19,7 +19,7 @@ import os
 
 from course_lib.cost import planner
 from course_lib.measure.layouts import as_planned, calibrate, candidates, fit_shared_cores, step_times
-from course_lib.model import config as configs
+from course_lib.model import configs
 
 
 def spearman(a: list[float], b: list[float]) -> float:

@@ -23,12 +23,12 @@ import torch
 
 from course_lib.checkpoint import commit, sharded
 from course_lib.checkpoint.zero_state import zero_state_dict
-from course_lib.cost.comm import fit_alpha_beta
+from course_lib.cost.alpha_beta import fit_alpha_beta
 from course_lib.dist import device, launch
 from course_lib.dist.timing import clock
 from course_lib.measure.collectives import held_out_errors, time_collectives
 from course_lib.measure.roofline import measure_cpu_roofline
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.data.zero import Zero
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from course_lib.data import MarkovLanguage, make_dataset
 from course_lib.dist import Mesh, device, launch
 from course_lib.dist.timing import clock
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.tensor.model import TPTransformer
 

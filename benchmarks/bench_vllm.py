@@ -27,14 +27,14 @@ import torch
 
 from course_lib.inference.engine import Engine, Request
 from course_lib.inference.vllm import ROOT, request_stream, vllm_run
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.hf_export import export_hf
 from course_lib.model.transformer import Transformer
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="small", help="a course_lib.model.config name (head_dim >= 32)")
+    parser.add_argument("--model", default="small", help="a course_lib.model.configs name (head_dim >= 32)")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--min-len", type=int, default=8)

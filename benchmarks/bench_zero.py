@@ -82,7 +82,7 @@ def main() -> None:
     if args.steps < 3:
         raise SystemExit("--steps must be at least 3: the first two are warm-up")
 
-    from course_lib.model import config as configs
+    from course_lib.model import configs
 
     overrides = {"d_model": args.d_model, "n_layers": args.layers, "d_ff": None}  # d_ff re-derived from d_model
     psi = configs.get("small", **overrides).n_params()

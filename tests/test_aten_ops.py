@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from course_lib.measure import aten_ops
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 
 

@@ -39,7 +39,7 @@ from course_lib.checkpoint import (
 from course_lib.cost import checkpoint as cost
 from course_lib.dist import device, launch
 from course_lib.measure import checkpoint as harness
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.data.zero import Zero
 

@@ -1,4 +1,4 @@
-"""The alpha-beta communication model (course_lib.cost.comm) against hand arithmetic and against gloo.
+"""The alpha-beta communication model (course_lib.cost.alpha_beta, links, expert_dispatch, expert_routing) against hand arithmetic and against gloo.
 
 * every collective's formula against values worked by hand, and the invariants that define them
   (a ring all-reduce is a reduce-scatter plus an all-gather);
@@ -6,7 +6,7 @@
   seven decades of message size;
 * the acceptance test: α and β fitted on 11 of 16 message sizes measured here predict the other 5
   within 25%, for each collective;
-* seed 001's worked example (120.96 µs) exactly, H800 against H100 for TP and EP, and the distinct
+* Zhao et al.'s (Insights into DeepSeek-V3, ISCA 2025) worked example (120.96 µs) exactly, H800 against H100 for TP and EP, and the distinct
   nodes a routed token reaches, with and without DeepSeek-V3's node limit.
 """
 
@@ -18,25 +18,21 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.cost import comm
-from course_lib.cost.comm import (
+from course_lib.cost import alpha_beta
+from course_lib.cost.alpha_beta import (
     all_to_all_seconds,
     collective_seconds,
-    distinct_nodes_variance,
-    ep_comm_time,
-    ep_layer_comm_seconds,
-    expected_distinct_nodes,
     fit_alpha_beta,
-    link_alpha_beta,
     p2p_seconds,
     relative_errors,
     ring_all_gather_seconds,
     ring_all_reduce_seconds,
     ring_reduce_scatter_seconds,
-    step_comm_on,
-    tp_step_comm_seconds,
     tree_all_reduce_seconds,
 )
+from course_lib.cost.expert_dispatch import ep_comm_time, ep_layer_comm_seconds
+from course_lib.cost.expert_routing import distinct_nodes_variance, expected_distinct_nodes
+from course_lib.cost.links import link_alpha_beta, step_comm_on, tp_step_comm_seconds
 from course_lib.dist import device, launch
 from course_lib.measure.collectives import (
     COLLECTIVES,
@@ -89,7 +85,7 @@ def test_tree_beats_ring_on_latency_and_loses_on_bytes():
     assert tree_all_reduce_seconds(8, 64, A, B, pipelined=True) < ring_all_reduce_seconds(8, 64, A, B) / 10
 
 
-@pytest.mark.parametrize("name", sorted(comm.ALPHA_BETA))
+@pytest.mark.parametrize("name", sorted(alpha_beta.ALPHA_BETA))
 @pytest.mark.parametrize("relative", [False, True])
 def test_fit_recovers_alpha_beta_from_exact_times(name, relative):
     sizes = message_sizes()
@@ -190,7 +186,7 @@ def test_tree_all_reduce_sums_on_three_ranks():
     assert all(launch(_tree_vs_all_reduce, 3, timeout=60)), "the binomial tree must give dist.all_reduce's sums"
 
 
-# ------------------------------------------------------------------------------ hardware: seed 001, H800 vs H100
+# ------------------------------------------------------------------------------ hardware: Zhao et al. 2025, H800 vs H100
 
 
 def test_seed_001_ep_example_is_120_96_us():

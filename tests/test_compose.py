@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from course_lib.dist import device, launch
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.compose import Composed, Layout, check_layout, sgd_one_process
 

@@ -1,7 +1,7 @@
 """course_lib.optim.compression: gradient compression hooks, their bytes, their algorithm and their DDP plumbing.
 
 * bytes: what course_lib.dist.counter counts in one DDP step with each hook == the formula of
-  course_lib.cost.comm, bucket by bucket;
+  course_lib.cost.compression_payload, bucket by bucket;
 * the algorithms: QSGD is unbiased; error feedback telescopes (Σ applied = Σ mean gradient − mean
   residual) and recovers what plain Top-K drops; course PowerSGD == torch's ``powerSGD_hook``;
 * the plumbing: one hook function gives the same gradients under the course DDP and torch's DDP;
@@ -18,10 +18,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from course_lib.cost.comm import powersgd_comm_bytes, qsgd_comm_bytes, sign_comm_bytes, topk_comm_bytes
+from course_lib.cost.compression_payload import powersgd_comm_bytes, qsgd_comm_bytes, sign_comm_bytes, topk_comm_bytes
 from course_lib.dist import counter, device, launch
 from course_lib.measure import compression as compression_runs
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer, next_token_loss
 from course_lib.optim.compression import QSGDState, TopKState, pack_bits, qsgd_dequantize, qsgd_quantize, unpack_bits
 from course_lib.optim.powersgd import PowerSGDState, powersgd_hook
@@ -35,7 +35,7 @@ CAP_MB, HOOKS, _global_batches = compression_runs.CAP_MB, compression_runs.HOOKS
 
 
 def _expected_bytes(name: str, shapes: list[tuple[int, ...]], state) -> int:
-    """The formula of course_lib.cost.comm for one bucket holding gradients of ``shapes``."""
+    """The formula of course_lib.cost.compression_payload for one bucket holding gradients of ``shapes``."""
     n = sum(torch.Size(s).numel() for s in shapes)
     if name.startswith("topk"):
         return topk_comm_bytes(state.k(n))
@@ -121,7 +121,7 @@ def test_bytes_per_step_match_the_formula(name):
         total = sum(e["bytes"] for e in counts.values())
         plain = sum(torch.Size(s).numel() * 4 for b in shapes for s in b)
         assert total == sum(expected), (
-            f"rank {rank}, {name}: the counter saw {total} B in one step ({counts}), course_lib.cost.comm says "
+            f"rank {rank}, {name}: the counter saw {total} B in one step ({counts}), course_lib.cost.compression_payload says "
             f"{sum(expected)} B ({expected} per bucket): does the hook send what its formula says?"
         )
         op = "all_reduce@world" if name == "powersgd" else "all_gather@world"

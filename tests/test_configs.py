@@ -10,8 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from course_lib.model import config as configs
-from course_lib.model import tokenizer
+from course_lib.model import configs, tokenizer
 from course_lib.model.config import ModelConfig
 
 B = 1e9
@@ -21,15 +20,15 @@ TOTALS = [
     ("deepseek-v3", 671 * B, 0.03, "DeepSeek-V3 Technical Report, abstract: 671B total parameters"),
     ("qwen2.5-72b", 72.7 * B, 0.03, "Qwen2.5-72B model card: 72.7B parameters"),
     ("llama-3.1-405b", 405 * B, 0.03, "Llama 3 Herd of Models, Table 3: 405B"),
-    ("gpt-oss-120b", 116.83 * B, 0.03, "gpt-oss model card Table 1: 116.83B total (seed 000: ~117B)"),
-    ("gpt-oss-20b", 20.91 * B, 0.03, "gpt-oss model card Table 1: 20.91B total (seed 000: ~21B)"),
-    ("qwen3-next-80b-a3b", 80 * B, 0.03, "Qwen3-Next model card: 80B in total (seed 000 Table 4)"),
+    ("gpt-oss-120b", 116.83 * B, 0.03, "gpt-oss model card Table 1: 116.83B total (OpenAI, Introducing gpt-oss: ~117B)"),
+    ("gpt-oss-20b", 20.91 * B, 0.03, "gpt-oss model card Table 1: 20.91B total (OpenAI, Introducing gpt-oss: ~21B)"),
+    ("qwen3-next-80b-a3b", 80 * B, 0.03, "Qwen3-Next model card: 80B in total (NVIDIA Developer Blog on Qwen3-Next: 80B)"),
 ]
 
 ACTIVE = [
     ("deepseek-v3", 37 * B, 0.03, "DeepSeek-V3 Technical Report, abstract: 37B activated per token"),
-    ("gpt-oss-120b", 5.13 * B, 0.03, "gpt-oss model card Table 1: 5.13B active (seed 000: ~5.1B)"),
-    ("gpt-oss-20b", 3.61 * B, 0.03, "gpt-oss model card Table 1: 3.61B active (seed 000: ~3.6B)"),
+    ("gpt-oss-120b", 5.13 * B, 0.03, "gpt-oss model card Table 1: 5.13B active (OpenAI, Introducing gpt-oss: ~5.1B)"),
+    ("gpt-oss-20b", 3.61 * B, 0.03, "gpt-oss model card Table 1: 3.61B active (OpenAI, Introducing gpt-oss: ~3.6B)"),
     # "A3B" is a rounded name and the card gives no finer figure. Our count is 3.56B (3.25B without
     # the output head): attention 1.54B (36 Gated DeltaNet + 12 gated-attention layers), 10 routed +
     # 1 shared expert 1.66B, routers 0.05B, output head 0.31B. transformers' own Qwen3-Next, counted
@@ -166,7 +165,7 @@ def test_deepseek_v3_checkpoint_with_mtp_is_685b():
 def test_kv_cache_bytes_per_token_match_deepseek_table(name, kb):
     ours = configs.get(name).kv_cache_bytes_per_token(bytes_per_element=2) / 1000
     assert abs(ours - kb) < 1, (
-        f"{name}: {ours:.1f} KB of BF16 KV cache per token, but seed 001 (DeepSeek-V3 ISCA'25 paper, "
+        f"{name}: {ours:.1f} KB of BF16 KV cache per token, but Zhao et al. (Insights into DeepSeek-V3, ISCA 2025, "
         f"Table 1) gives {kb} KB. GQA caches 2·n_kv_heads·head_dim per layer; MLA caches only "
         f"kv_lora_rank + qk_rope_head_dim."
     )

@@ -8,9 +8,8 @@ import torch.nn as nn
 
 from course_lib import cost
 from course_lib.cost import dollars, hardware
-from course_lib.cost.comm import ep_dispatch_bytes, padded_dispatch_bytes
-from course_lib.model import config as configs
-from course_lib.model import moe
+from course_lib.cost.expert_dispatch import ep_dispatch_bytes, padded_dispatch_bytes
+from course_lib.model import configs, moe
 from course_lib.model.transformer import Block
 
 

@@ -17,7 +17,7 @@ from course_lib.inference.engine import Engine, Request
 from course_lib.inference.generate import generate
 from course_lib.inference.paged import PagedCache
 from course_lib.inference.quantized_cache import QuantizedCache
-from course_lib.model.config import get
+from course_lib.model.configs import get
 from course_lib.model.transformer import Transformer
 
 

@@ -16,7 +16,7 @@ import torch
 
 from course_lib.cost.activations import activation_bytes_per_layer, sdpa_extra_bytes, sdpa_saved_statistics
 from course_lib.measure import activations as act
-from course_lib.model import config as configs
+from course_lib.model import configs
 
 CFG = configs.get("tiny", n_heads=8, n_kv_heads=4)
 ROOT = Path(__file__).resolve().parent.parent

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from course_lib.checkpoint import resume
 from course_lib.checkpoint.zero_state import load_zero_state, zero_state_dict
 from course_lib.dist import device, launch
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.moe import Routing, sequence_balance_loss
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.compose import Composed, Layout

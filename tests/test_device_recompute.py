@@ -13,7 +13,7 @@ import torch
 
 from course_lib.cost.activations import recompute_kernel_extra, recompute_peak_bytes, sdpa_extra_bytes
 from course_lib.measure import recompute
-from course_lib.model import config as configs
+from course_lib.model import configs
 
 TINY = configs.get("tiny")
 RNG_SCALARS = 2 * 8  # the seed and offset the CUDA kernel returns, int64 each

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from course_lib.data import MarkovLanguage, make_dataset
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.merge import add_task_vectors, average_weights, task_vector
 from course_lib.model.transformer import Transformer
 from course_lib.optim.distill import distillation_loss, soft_target_loss

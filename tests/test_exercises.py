@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from course_lib.cost.comm import ring_comm_bytes
+from course_lib.cost.collective_bytes import ring_comm_bytes
 from course_lib.grading import exercises
 from course_lib.measure.tensor_parallel import tp_step_collectives
-from course_lib.model import config as configs
+from course_lib.model import configs
 
 LECTURES = Path(__file__).resolve().parent.parent / "lectures"
 RING = dict(B=2, S=64, HKV=4, D=16, N=4)  # lecture 03's miniature (§2.2)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.cost.comm import ep_dispatch_bytes
+from course_lib.cost.expert_dispatch import ep_dispatch_bytes
 from course_lib.dist import counter, device, launch
 from course_lib.model import moe
 from course_lib.parallel.expert.dispatch import combine, dispatch, local_experts

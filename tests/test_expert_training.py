@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.cost.comm import ep_dispatch_bytes, fp8_bytes_per_element
+from course_lib.cost.expert_dispatch import ep_dispatch_bytes, fp8_bytes_per_element
 from course_lib.dist import counter, device, launch
 from course_lib.measure import expert as measure
 from course_lib.model import moe

@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from course_lib.cost import flops, hardware, roofline
 from course_lib.measure.flops import count_training_flops
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 
 VARIANTS = {
@@ -34,7 +34,7 @@ def test_training_flops_formula_equals_the_counted_matmuls(variant, seq_len):
     batch = 2
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len))
     counted = count_training_flops(model, tokens, tokens)
-    predicted = flops.training_flops_per_token(cfg, seq_len) * batch * seq_len
+    predicted = flops.train_flops_per_token(cfg, seq_len) * batch * seq_len
     assert sum(counted.values()) == predicted, (
         f"{variant}, T={seq_len}: FlopCounterMode counted {counted}, the formula 6N + 12·L·H·Q·T gives "
         f"{predicted}; look at matmul_params (which matrices does one token multiply with?) and the "
@@ -58,7 +58,7 @@ def test_attention_term_is_palm_s_and_twice_kaplan_s():
     assert flops.attention_flops_per_token(cfg, T) == 12 * L * H * Q * T, "PaLM, Appendix B: 12·L·H·Q·T"
     kaplan = 6 * L * T * H * Q  # Kaplan et al. 2020 Table 1 counts only the QKᵀ scores
     assert flops.attention_flops_per_token(cfg, T) == 2 * kaplan
-    assert flops.training_flops_per_token(cfg, T, attention=False) == 6 * flops.matmul_params(cfg)
+    assert flops.train_flops_per_token(cfg, T, attention=False) == 6 * flops.matmul_params(cfg)
     # For a 405B model at 8k context the attention matmuls add about 10% to 6N.
     assert 0.05 < flops.attention_flops_per_token(cfg, T) / (6 * flops.matmul_params(cfg)) < 0.15
 

@@ -6,11 +6,11 @@ vLLM, torch.distributed.pipelining and Megatron-Core are checked in test_vllm.py
 test_tensor_parallel.py.
 """
 
-from course_lib.cost.comm import tp_received_elements
+from course_lib.cost.collective_bytes import tp_received_elements
 from course_lib.cost.memory import zero_model_state_bytes
 from course_lib.cost.planner import Cluster, Layout, plan, predict, reasons
 from course_lib.measure.frameworks import deepspeed_versus_zero, fabric_versus_ddp, fsdp2_versus_zero3
-from course_lib.model import config as configs
+from course_lib.model import configs
 
 
 def test_deepspeed_zero2_under_accelerate_launch_equals_course_zero2_in_loss_and_bytes():

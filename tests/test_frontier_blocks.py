@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from course_lib.data import MarkovLanguage, make_dataset
-from course_lib.model import config as configs
+from course_lib.model import configs
+from course_lib.model.config import ModelConfig
 from course_lib.model.layers import rope_cos_sin
 from course_lib.model.linear_attention import DeltaNetState, GatedDeltaNet, gated_delta_rule
 from course_lib.model.mla import MLA
@@ -74,7 +75,7 @@ MIXERS = {  # the mixer each layer of the shrunk model must have
 }
 
 
-def mini(name: str, **overrides) -> configs.ModelConfig:
+def mini(name: str, **overrides) -> ModelConfig:
     return configs.get(name, vocab_size=VOCAB, max_seq_len=64, **{**MINI[name], **overrides})
 
 

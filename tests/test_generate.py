@@ -13,7 +13,7 @@ from model_minis import MLA_MINI
 
 from course_lib.inference.generate import generate
 from course_lib.inference.sampling import sample
-from course_lib.model.config import get
+from course_lib.model.configs import get
 from course_lib.model.transformer import Transformer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from course_lib.inference.generate import generate
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model import tokenizer as course_tokenizer
 from course_lib.model.hf_export import export_hf
 from course_lib.model.transformer import Transformer

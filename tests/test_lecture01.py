@@ -13,7 +13,7 @@ import torch
 from course_lib.cost import memory as cost_memory
 from course_lib.cost.activations import activation_bytes_per_layer
 from course_lib.measure.step_memory import KINDS, PHASES, training_step_memory
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 from course_lib.plots import basics as plots
 

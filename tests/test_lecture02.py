@@ -14,18 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from course_lib.cost.comm import (
-    bucketed_all_reduce_seconds,
+from course_lib.cost.alpha_beta import fit_alpha_beta, ring_all_reduce_seconds
+from course_lib.cost.collective_bytes import (
     comm_elements,
-    ddp_step_timeline,
-    fit_alpha_beta,
     grid_side,
     paper_comm_volume,
     received_bytes,
-    ring_all_reduce_seconds,
-    tp_block_comm_share,
     tp_received_elements,
 )
+from course_lib.cost.ddp_timeline import bucketed_all_reduce_seconds, ddp_step_timeline
+from course_lib.cost.tp_comm_time import tp_block_comm_share
 from course_lib.dist import counter, device, launch
 from course_lib.parallel.tensor.nd import matmul_1d, matmul_2d, matmul_2p5d, matmul_3d
 

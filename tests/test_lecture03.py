@@ -15,7 +15,7 @@ from course_lib.cost.overlap import ring_min_block_tokens, ring_step_bytes, ring
 from course_lib.cost.pipeline import in_flight_microbatches
 from course_lib.dist.trace import Span
 from course_lib.measure.context_parallel import trace_ring_attention
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.plots.context_parallel import comm_intervals, ring_timeline
 
 LECTURE = Path(__file__).resolve().parent.parent / "lectures" / "03_pipeline_sequence_expert_parallelism.ipynb"

@@ -17,7 +17,7 @@ import torch
 
 from course_lib.data import MarkovLanguage
 from course_lib.measure import lineage
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 
 RECIPES = (("a", 10, 3e-3), ("b", 20, 1e-2))  # relatives differ in data seed and learning rate

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from course_lib.data import MarkovLanguage, make_dataset
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.hf_export import export_hf, hf_name
 from course_lib.model.lora import LoRALinear, apply_lora, lora_parameters, merge_lora
 from course_lib.model.transformer import Transformer

@@ -8,7 +8,7 @@ import torch
 from course_lib.cost.memory import galore_state_elements
 from course_lib.data import MarkovLanguage, make_dataset
 from course_lib.dist import census
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 from course_lib.optim.lowrank import GaLoreAdamW
 from course_lib.optim.optimizers import AdamW

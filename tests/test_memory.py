@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from course_lib.cost.comm import paper_comm_volume, ring_wire_bytes, zero_comm_bytes
+from course_lib.cost.collective_bytes import paper_comm_volume, ring_wire_bytes, zero_comm_bytes
 from course_lib.cost.memory import zero3_gathered_peak_bytes, zero_model_state_bytes
 from course_lib.dist.census import held_bytes
 from course_lib.measure.allocations import AllocationTrace

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.layers import rope_cos_sin
 from course_lib.model.mla import MLA, LatentCache
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from course_lib.inference.generate import generate
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.layers import apply_rope, rope_cos_sin
 from course_lib.model.transformer import Attention, Transformer, next_token_loss
 

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from course_lib.data import MarkovLanguage
-from course_lib.model import config as configs
-from course_lib.model import moe
+from course_lib.model import configs, moe
 from course_lib.model.transformer import Transformer
 
 E, D, FF = 8, 16, 32

@@ -9,7 +9,7 @@ import torch.nn as nn
 from course_lib.cost import memory as cost_memory
 from course_lib.data import MarkovLanguage, make_dataset
 from course_lib.dist import census
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 from course_lib.optim import optimizers as optim
 

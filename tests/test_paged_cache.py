@@ -19,7 +19,7 @@ from course_lib.grading.labs.lab09_kv_cache import check_invariants, fake_step
 from course_lib.inference.engine import Engine, Request
 from course_lib.inference.generate import generate
 from course_lib.inference.paged import BlockPool, NoFreeBlocks, PagedCache, block_hash
-from course_lib.model.config import get
+from course_lib.model.configs import get
 from course_lib.model.transformer import Transformer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -12,7 +12,7 @@ from course_lib.cost.activations import activation_bytes_per_layer
 from course_lib.dist import counter, device, launch
 from course_lib.measure.pipeline import TORCH_SCHEDULES, measured_bubble, versus_torch
 from course_lib.measure.stage_activations import StageActivationMeter
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer, next_token_loss
 from course_lib.parallel.pipeline import executor, messages, stages
 from course_lib.parallel.pipeline.schedules import SCHEDULES, Action, Schedule, build, check

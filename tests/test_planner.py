@@ -9,11 +9,11 @@ fit of their constants are checked as arithmetic, and the measuring harness on 2
 import pytest
 
 from course_lib.cost import planner
-from course_lib.cost.flops import training_flops_per_token
+from course_lib.cost.flops import train_flops_per_token
 from course_lib.cost.memory import zero_model_state_bytes
 from course_lib.cost.planner import Cluster, Layout, plan, predict, reasons
 from course_lib.measure.layouts import as_planned, candidates, fit_shared_cores, shared_cores_cluster, step_times
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.parallel.compose import Layout as ComposedLayout
 
 TINY4 = configs.get("tiny", n_layers=4)
@@ -89,7 +89,7 @@ def test_on_shared_cores_the_bubble_costs_nothing_and_every_pass_is_paid():
     """8 ranks on 2 cores: a rank idle in the bubble lends its core, so compute is every rank's work over the
     cores whatever pp is; on 8 devices of their own the same layouts pay the (m + pp − 1)/m bubble."""
     G, S, rate = 16, 32, 1e11
-    flops = training_flops_per_token(TINY4, S) * G * S
+    flops = train_flops_per_token(TINY4, S) * G * S
     shared = shared_cores_cluster(8, cores=2, rate=rate, pass_seconds=0.0, alpha=0.0)
     own = Cluster("H100", 8, mfu=1.0, peak_flops=rate, links=shared.links)
     for ly in (Layout(dp=8, micro_batch=2), Layout(dp=2, pp=4, micro_batch=8), Layout(dp=2, pp=4, micro_batch=2)):

@@ -29,7 +29,7 @@ from course_lib.inference.quantized_cache import (
     unpack_codes,
 )
 from course_lib.measure import quantized_kv as measure
-from course_lib.model.config import get
+from course_lib.model.configs import get
 from course_lib.model.transformer import Transformer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -23,7 +23,7 @@ from course_lib.cost.activations import (
 )
 from course_lib.measure.activations import LiveTensorMeter
 from course_lib.measure.recompute import build, measure_memory_budget, measure_recompute, model_vs_measurement
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.recompute import POLICIES, set_recompute
 from course_lib.plots.recompute import memory_budget, recompute_memory
 

@@ -8,7 +8,7 @@ import torch
 
 from course_lib.cost import flops, hardware, roofline
 from course_lib.measure import roofline as measure_roofline
-from course_lib.model import config as configs
+from course_lib.model import configs
 
 MOE_TINY = dict(n_routed_experts=8, n_activated_experts=2, n_shared_experts=1, moe_d_ff=32, first_k_dense=1)
 MLA_TINY = dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_kv_heads=4)
@@ -56,7 +56,7 @@ def test_training_kernels_sum_to_the_flops_formula(name, overrides):
     batch, seq_len = 2, 64
     kernels = roofline.training_kernels(cfg, batch, seq_len)
     counted = 3 * sum(k.count * k.flops for k in kernels)
-    assert counted == pytest.approx(flops.training_flops_per_token(cfg, seq_len) * batch * seq_len, rel=1e-12)
+    assert counted == pytest.approx(flops.train_flops_per_token(cfg, seq_len) * batch * seq_len, rel=1e-12)
 
 
 def test_mla_training_kernels_leave_out_only_the_latent_norms():
@@ -65,7 +65,7 @@ def test_mla_training_kernels_leave_out_only_the_latent_norms():
     kernels = roofline.training_kernels(cfg, 1, 32)
     counted = 3 * sum(k.count * k.flops for k in kernels)
     norms = 6 * cfg.n_layers * (cfg.q_lora_rank + cfg.kv_lora_rank) * 32
-    assert counted == flops.training_flops_per_token(cfg, 32) * 32 - norms
+    assert counted == flops.train_flops_per_token(cfg, 32) * 32 - norms
 
 
 @pytest.mark.parametrize("name", ["llama-3.1-405b", "gpt-oss-20b", "deepseek-v3"])

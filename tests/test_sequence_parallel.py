@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 from test_tensor_parallel import CFG, RTOL, dense_model, max_rel_diff  # one model, one tolerance for TP and TP+SP
 
-from course_lib.cost.comm import ring_wire_bytes
+from course_lib.cost.collective_bytes import ring_wire_bytes
 from course_lib.dist import Mesh, device, launch
 from course_lib.measure.tensor_parallel import collectives_per_layer
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.tensor.comms import all_gather_sequence, reduce_scatter_sequence
 from course_lib.parallel.tensor.model import TPBlock, TPTransformer

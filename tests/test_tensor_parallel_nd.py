@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from course_lib.cost.comm import comm_elements
+from course_lib.cost.collective_bytes import comm_elements
 from course_lib.dist import counter, device, launch
 from course_lib.parallel.tensor.nd import matmul_2d, matmul_2p5d, matmul_3d
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.cost import comm
+from course_lib.cost import collective_bytes
 from course_lib.dist import Mesh, RankError, counter, device, launch
 from course_lib.grading.labs import lab06_sequence_parallel as lab06
 from course_lib.parallel.context import ulysses
@@ -94,7 +94,7 @@ def test_ulysses_on_the_cp_groups_of_a_mesh():
 @pytest.mark.parametrize("world", [2, 4])
 def test_backward_all_to_alls_mirror_the_forward(world):
     s = 8 * world
-    want = comm.ulysses_comm_bytes(B, s, H, HKV, D, world)
+    want = collective_bytes.ulysses_comm_bytes(B, s, H, HKV, D, world)
     assert want["payload_per_rank"] == B * (s // world) * (2 * H + 2 * HKV) * D * 4
     for rank, r in enumerate(launch(_ulysses_rank, world, s, timeout=60)):
         fwd, bwd = r[4], r[5]
@@ -113,9 +113,9 @@ def test_backward_all_to_alls_mirror_the_forward(world):
 
 def test_divisibility_errors_name_the_constraint_and_the_fix():
     with pytest.raises(ValueError, match=r"degree 3 does not divide 8 query heads.*among \[1, 2, 4, 8\]"):
-        comm.check_ulysses_divisible(8, 8, 3)
+        collective_bytes.check_ulysses_divisible(8, 8, 3)
     with pytest.raises(ValueError, match=r"degree 4 does not divide 2 key/value heads.*repeat the K/V heads"):
-        comm.check_ulysses_divisible(8, 2, 4)
+        collective_bytes.check_ulysses_divisible(8, 2, 4)
     with pytest.raises(ValueError, match="sequence length 10 is not divisible by the Ulysses degree 4"):
         ulysses.split(torch.zeros(1, 4, 10, 2), 0, 4)
     with pytest.raises(RankError, match="degree 2 does not divide 3 query heads"):

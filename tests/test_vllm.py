@@ -12,7 +12,7 @@ import torch
 from course_lib.inference.generate import generate
 from course_lib.inference.vllm import request_stream, vllm_python, vllm_run, vllm_serve_generate
 from course_lib.inference.vllm_worker import ENGINE_DEFAULTS
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.hf_export import export_hf
 from course_lib.model.transformer import Transformer
 

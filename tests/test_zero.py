@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course_lib.dist import counter, device, launch
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer, next_token_loss
 from course_lib.parallel.data.zero import Zero
 from course_lib.parallel.data.zero_units import model_units

@@ -63,8 +63,8 @@ matmul (only O(bs·(d + f)) pointwise work). The counts assume the course's dens
 
 from __future__ import annotations
 
-from course_lib.cost.comm import check_ulysses_divisible
-from course_lib.cost.flops import attention_flops_per_token, training_flops_per_token
+from course_lib.cost.collective_bytes import check_ulysses_divisible
+from course_lib.cost.flops import attention_flops_per_token, train_flops_per_token
 from course_lib.model.config import ModelConfig
 
 ATTENTION_KERNELS = ("flash", "math")
@@ -266,7 +266,7 @@ def recompute_flops(cfg: ModelConfig, batch: int, seq_len: int, policy) -> dict[
     "recompute", "ratio"}.
 
     ``step``: the model FLOPs of forward + backward, (6N + attention)·tokens
-    (:func:`course_lib.cost.flops.training_flops_per_token`). ``recompute``: what the backward pass
+    (:func:`course_lib.cost.flops.train_flops_per_token`). ``recompute``: what the backward pass
     runs again. For each fully recomputed block, its forward matmuls 2·bs·(dq + 2d·kv + qd + 2df)
     (wq, wk, wv, wo, w1, w3: w2 is not rerun, torch's recompute stops once backward has w2's input)
     and its attention core's forward (a third of :func:`~course_lib.cost.flops.attention_flops_per_token`
@@ -280,7 +280,7 @@ def recompute_flops(cfg: ModelConfig, batch: int, seq_len: int, policy) -> dict[
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     matmul = full * 2 * tokens * (d * q + 2 * d * kv + q * d + 2 * d * f)
     attention = full * tokens * attention_flops_per_token(cfg, seq_len) / (3 * cfg.n_layers)
-    step = tokens * training_flops_per_token(cfg, seq_len)
+    step = tokens * train_flops_per_token(cfg, seq_len)
     return {
         "step": step,
         "recompute_matmul": matmul,

@@ -1,6 +1,6 @@
 """Compute of training: FLOPs per token, model FLOPs utilisation, arithmetic intensity. Pure arithmetic.
 
-* :func:`matmul_params`, :func:`training_flops_per_token` — the "6N" rule with its attention term
+* :func:`matmul_params`, :func:`train_flops_per_token` — the "6N" rule with its attention term
   (Kaplan et al. 2020, §2.1; Chowdhery et al. 2022, PaLM, Appendix B);
 * :func:`mfu` — model FLOPs utilisation (PaLM, §4.1 and Appendix B);
 * :func:`matmul_flops`, :func:`matmul_bytes`, :func:`arithmetic_intensity` — the arithmetic intensity of
@@ -47,7 +47,7 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     return sum(6 * keys[kind] * cfg.n_heads * (d_qk + d_v) for kind in cfg.layer_types)
 
 
-def training_flops_per_token(cfg: ModelConfig, seq_len: int, attention: bool = True) -> int:
+def train_flops_per_token(cfg: ModelConfig, seq_len: int, attention: bool = True) -> int:
     """Matmul FLOPs of one training step (forward + backward), per token: 6N + 12·L·H·Q·T.
 
     Every weight matrix W [k, n] is used once per token in the forward pass, 2·k·n FLOPs, and twice
@@ -68,7 +68,7 @@ def mfu(tokens_per_second: float, flops_per_token: float, peak_flops_per_second:
     """Model FLOPs utilisation: the model FLOPs a run achieves per second over the hardware's peak.
 
     PaLM (Chowdhery et al. 2022, §4.1 and Appendix B) defines it with *model* FLOPs (the formula of
-    :func:`training_flops_per_token`), so that recomputation or a wasteful kernel does not raise the
+    :func:`train_flops_per_token`), so that recomputation or a wasteful kernel does not raise the
     figure; "hardware FLOPs utilisation" counts what the chips executed. PaLM 540B: 46.2% MFU.
     """
     if peak_flops_per_second <= 0:
@@ -110,6 +110,6 @@ def arithmetic_intensity(m: int, n: int, k: int, bytes_per_element: float) -> fl
 def gpt_block_forward_flops(tokens: int, hidden: int, seq_len: int) -> float:
     """Forward FLOPs of one GPT block (4h MLP, full attention) for ``tokens`` tokens of length ``seq_len``:
     24·T·h²·(1 + s/(6h)) — the four h×h projections and the MLP, plus the attention scores and their
-    weighted sum (Narayanan et al. 2021, §5.1). For the course's own models use :func:`training_flops_per_token`.
+    weighted sum (Narayanan et al. 2021, §5.1). For the course's own models use :func:`train_flops_per_token`.
     """
     return 24 * tokens * hidden**2 * (1 + seq_len / (6 * hidden))

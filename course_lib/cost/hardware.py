@@ -17,8 +17,8 @@ says so wherever it uses them. ``None`` means not published (or, for a precision
 
 Sources named below:
 * NVIDIA datasheets: A100 Tensor Core GPU (2021), H100 Tensor Core GPU (2023), H200 Tensor Core
-  GPU (2024), DGX B200 / HGX B200 (2024); the H800 brief's figures as summarised in the seed 001.
-* Seed 001: Zhao et al., "Insights into DeepSeek-V3: Scaling Challenges and Reflections on Hardware
+  GPU (2024), DGX B200 / HGX B200 (2024); the H800 brief's figures as summarised by Zhao et al. (below).
+* Zhao et al., "Insights into DeepSeek-V3: Scaling Challenges and Reflections on Hardware
   for AI Architectures", ISCA 2025, §4.1 (H800: NVLink cut from 900 to 400 GB/s, eight 400 Gb/s IB
   NICs per node) and §4.3 (NVLink 200 GB/s of which ~160 GB/s achievable, ~40 GB/s effective IB).
 * Huawei: Atlas 800T A2 / Atlas 300T A2 product pages (910B); Zuo et al., "Serving Large Language
@@ -120,7 +120,7 @@ _A100 = "NVIDIA A100 datasheet (SXM4 80GB)"
 _H100 = "NVIDIA H100 datasheet (SXM5)"
 _H200 = "NVIDIA H200 datasheet (SXM)"
 _B200 = "NVIDIA HGX/DGX B200 datasheet (per GPU = system figure / 8)"
-_SEED1 = "Zhao et al., Insights into DeepSeek-V3, ISCA 2025 (seed 001) §4.1, §4.3"
+_ZHAO_ISCA25 = "Zhao et al., Insights into DeepSeek-V3, ISCA 2025, §4.1, §4.3"
 _CM384 = "Zuo et al., Serving LLMs on Huawei CloudMatrix384, arXiv:2506.12708, §3"
 _MI50 = "AMD Instinct MI50 datasheet (the Vega 20 design Hygon's DCU descends from)"
 
@@ -155,20 +155,20 @@ H800 = Accelerator(
     "NVIDIA",
     2023,
     _flops(
-        _SEED1 + ": Hopper compute as H100 (only FP64 and NVLink reduced)",
+        _ZHAO_ISCA25 + ": Hopper compute as H100 (only FP64 and NVLink reduced)",
         fp32=67,
         tf32=494.7,
         bf16=989.4,
         fp16=989.4,
         fp8=1978.9,
     ),
-    Figure(80 * GB, _SEED1 + ": H100-class SXM part"),
+    Figure(80 * GB, _ZHAO_ISCA25 + ": H100-class SXM part"),
     Figure(3.35 * TB, "NVIDIA H800 SXM5 brief, as H100 SXM5", estimate=True, note="not in the seeds"),
     "NVLink 4 (cut to 400 GB/s)",
-    Figure(200 * GB, _SEED1, note="400 GB/s both directions; §4.3: ~160 GB/s achieved"),
-    Figure(50 * GB, _SEED1, note="eight 400 Gb/s CX7 NICs per 8-GPU node; ~40 GB/s effective"),
+    Figure(200 * GB, _ZHAO_ISCA25, note="400 GB/s both directions; §4.3: ~160 GB/s achieved"),
+    Figure(50 * GB, _ZHAO_ISCA25, note="eight 400 Gb/s CX7 NICs per 8-GPU node; ~40 GB/s effective"),
     Figure(700, "NVIDIA H800 SXM5 brief, as H100 SXM5", estimate=True),
-    notes="export-compliant H100: NVLink 900 -> 400 GB/s, FP64 reduced (seed 001)",
+    notes="export-compliant H100: NVLink 900 -> 400 GB/s, FP64 reduced (Zhao et al., ISCA 2025, §4.1)",
 )
 
 H200 = Accelerator(

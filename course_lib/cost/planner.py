@@ -23,7 +23,7 @@ context take the rest).
 
 **Step time** (seconds, nothing overlapped unless said: an upper bound on each term):
 
-    compute        training FLOPs of the global batch (:func:`~course_lib.cost.flops.training_flops_per_token`,
+    compute        training FLOPs of the global batch (:func:`~course_lib.cost.flops.train_flops_per_token`,
                    ×4/3 under full recomputation) / (N · peak · mfu), × the busiest stage's share over
                    the average (:func:`stage_imbalance`), × (m + pp − 1)/m for the pipeline's bubble
                    (Narayanan et al. 2021 §2.2.1)
@@ -38,7 +38,7 @@ context take the rest).
                    max(0, t_dp − dp_overlap · t_backward) shows, t_backward = 2/3 of the compute
 
 A group's link is NVLink-class ("scale_up") when its ranks fit in one node, the network
-("scale_out") otherwise; α and β come from :func:`~course_lib.cost.comm.link_alpha_beta`.
+("scale_out") otherwise; α and β come from :func:`~course_lib.cost.links.link_alpha_beta`.
 
 **Shared cores** (``Cluster(cores=C)`` with C < N: N CPU ranks time-sharing C cores, as the course
 runs 8 ranks on a 2-core machine). A rank waiting in the bubble gives its core to another rank, so the
@@ -62,8 +62,9 @@ from dataclasses import dataclass, field
 
 from course_lib.cost import hardware
 from course_lib.cost.activations import korthikanti_bytes_per_layer
-from course_lib.cost.comm import collective_seconds, link_alpha_beta
-from course_lib.cost.flops import training_flops_per_token
+from course_lib.cost.alpha_beta import collective_seconds
+from course_lib.cost.flops import train_flops_per_token
+from course_lib.cost.links import link_alpha_beta
 from course_lib.cost.memory import zero_model_state_bytes
 from course_lib.cost.pipeline import in_flight_microbatches
 from course_lib.model.config import ModelConfig
@@ -267,7 +268,7 @@ def predict(
         links[axis], ab = cluster.link(span)
         return ab
 
-    flops = training_flops_per_token(cfg, seq_len) * global_batch * seq_len * (4 / 3 if ly.recompute == "full" else 1)
+    flops = train_flops_per_token(cfg, seq_len) * global_batch * seq_len * (4 / 3 if ly.recompute == "full" else 1)
     # each device's share, no bubble, at the pace of the busiest stage (the output layer's matmul sits on the last)
     busy = flops / (cluster.n_devices * cluster.flops() * cluster.mfu) * stage_imbalance(cfg, ly.pp)
     slots = m + ly.pp - 1  # the schedule's length in micro-batch slots: m of work, pp − 1 of bubble

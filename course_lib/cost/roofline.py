@@ -21,7 +21,7 @@ On log-log axes that is a slanted line (memory-bound) meeting a flat one (comput
 * :func:`place` — each kernel on a roofline: attainable FLOP/s, memory- or compute-bound, and the
   least time it can take.
 
-Decoding is the lesson: the DeepSeek-V3 hardware paper (Zhao et al., ISCA 2025, seed 001, §2.1.2)
+Decoding is the lesson: the DeepSeek-V3 hardware paper (Zhao et al., "Insights into DeepSeek-V3", ISCA 2025, §2.1.2)
 notes that generating one token at a time turns the GEMMs of training into GEMVs, whose
 compute-to-memory ratio is so low that "GEMV quickly becomes limited by memory bandwidth". A GEMV
 of a bf16 weight matrix does 2 FLOPs per 2-byte weight it reads: 1 FLOP/byte, against ridge points
@@ -227,7 +227,7 @@ def training_kernels(
     per step (layers, experts). The backward pass runs each weight's GEMM twice more (dX = dY·Wᵀ,
     dW = Xᵀ·dY) with the same FLOPs and bytes (:func:`~course_lib.cost.flops.matmul_bytes`), so it has
     the same intensities: 3 × Σ count·flops is the step's matmul FLOPs, 6N + 12·L·H·Q·T per token
-    (:func:`~course_lib.cost.flops.training_flops_per_token`; a test checks the sum).
+    (:func:`~course_lib.cost.flops.train_flops_per_token`; a test checks the sum).
 
     Routed experts get m = tokens·k/E tokens each (a balanced router), which is why fine-grained MoE
     GEMMs are narrower than the dense model's. Elementwise work (norms, SiLU, RoPE, softmax) is left
@@ -292,7 +292,7 @@ def decode_kernels(cfg: ModelConfig, batch: int, context: int, bytes_per_element
 
     Every weight matrix is multiplied by ``batch`` token vectors (a GEMV for batch 1), so its intensity
     is about batch·2/bytes FLOP/byte: batching is what lifts decoding off the memory roof, and only for
-    the weights (seed 001 §2.1.2). Routed experts: the batch touches :func:`experts_touched` of them,
+    the weights (Zhao et al., ISCA 2025, §2.1.2). Routed experts: the batch touches :func:`experts_touched` of them,
     each with batch·k/touched tokens. The KV-cache reads do not batch (each sequence has its own
     cache); their bytes over all layers are ``cfg.kv_cache_bytes(context)`` per sequence (a test
     checks it).

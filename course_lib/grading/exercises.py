@@ -30,12 +30,12 @@ import torch
 
 from course_lib.cost import hardware, roofline
 from course_lib.cost.checkpoint import checkpoint_overhead, young_interval
-from course_lib.cost.comm import tp_received_elements
+from course_lib.cost.collective_bytes import tp_received_elements
 from course_lib.cost.memory import zero_model_state_bytes
 from course_lib.dist import device
 from course_lib.grading.adapter import load
 from course_lib.inference.paged import PagedCache
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.lora import apply_lora, lora_parameters
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.compose import Layout as ComposedLayout
@@ -321,7 +321,7 @@ def check_checkpoint_interval(checkpoint_interval) -> str:
 def check_best_tp_scheme(best_tp_scheme) -> str:
     """The learner's cheapest tensor-parallel scheme for X[b, h]·W[h, n] on p devices, against a search over
     the schemes whose grid exists ("1d" always, "2d" for a square p, "3d" for a cube) ranked by
-    :func:`course_lib.cost.comm.tp_received_elements`, ties going to the simpler scheme. Exact: the
+    :func:`course_lib.cost.collective_bytes.tp_received_elements`, ties going to the simpler scheme. Exact: the
     answer is a name, and the volumes compared are the same formula's.
     """
     cases = [

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 
 PHASES = ("forward", "backward", "optimizer")
@@ -75,7 +75,7 @@ MINIS = {
 
 
 def config(name: str):
-    """A config of :mod:`course_lib.model.config` by name, or one of :data:`MINIS`."""
+    """A config of :mod:`course_lib.model.configs` by name, or one of :data:`MINIS`."""
     if name in MINIS:
         base, overrides = MINIS[name]
         return configs.get(base, **overrides)

@@ -1,6 +1,7 @@
 """course_lib.model — the course model and what describes it.
 
-* :mod:`~course_lib.model.config`           — ``ModelConfig`` and the registry of course and published configs
+* :mod:`~course_lib.model.config`           — ``ModelConfig``: a transformer's hyper-parameters and derived sizes
+* :mod:`~course_lib.model.configs`          — the named configs: the course's ``tiny``/``small`` and six published ones
 * :mod:`~course_lib.model.layers`           — RMSNorm and RoPE, shared by every attention variant
 * :mod:`~course_lib.model.transformer`      — the Llama-style decoder (GQA, SwiGLU) and its frontier variants
 * :mod:`~course_lib.model.recompute`        — activation checkpointing of its blocks: none, full, selective

@@ -1,25 +1,22 @@
-"""Model configurations: the course models and the published frontier architectures.
+"""The model configuration: one frozen dataclass for every transformer the course talks about.
 
-One frozen dataclass, :class:`ModelConfig`, describes every model the course talks about: the two
-small Llama-style models that train on 2 CPU cores (``tiny``, ``small``) and six published
-architectures whose numbers come from their technical reports and released ``config.json`` files
-(``deepseek-v3``, ``qwen2.5-72b``, ``llama-3.1-405b``, ``gpt-oss-120b``, ``gpt-oss-20b``,
-``qwen3-next-80b-a3b``). The published ones are here so that later chapters can do their arithmetic
-(parameters, active parameters, KV-cache bytes) from real numbers instead of round guesses.
-``course_lib.model.transformer.Transformer`` builds every architecture here (MoE, MLA, sliding-window
-and Gated DeltaNet layers, multi-token prediction): the course models as they are, the published ones
-scaled down (``get(name, d_model=64, n_layers=4, ...)``) or at full size on the meta device.
+:class:`ModelConfig` describes a decoder-only transformer (dense, MoE, MLA, hybrid attention) and
+derives from its fields what later chapters compute with: parameters (:meth:`ModelConfig.n_params`,
+:meth:`~ModelConfig.n_active_params`), KV-cache bytes per token (:meth:`~ModelConfig.kv_cache_bytes_per_token`,
+MLA's latent cache as in DeepSeek-V2 §2.1), the fixed-size state of linear-attention layers. The
+named configurations (the course's ``tiny`` and ``small``, and six published architectures from their
+technical reports) are :mod:`course_lib.model.configs`; ``course_lib.model.transformer.Transformer``
+builds any of them.
 
-    >>> from course_lib import configs
-    >>> configs.names()
-    ('tiny', 'small', 'deepseek-v3', 'qwen2.5-72b', 'llama-3.1-405b', 'gpt-oss-120b', ...)
+    >>> from course_lib.model import configs
     >>> cfg = configs.get("tiny")                  # or configs.get("tiny", n_layers=4)
     >>> dataclasses.replace(cfg, n_kv_heads=1)     # a variant, validated again
 
 Fields left as ``None`` (``n_kv_heads``, ``head_dim``, ``d_ff``, ``moe_d_ff``) are derived once at
 construction. ``dataclasses.replace`` keeps derived values, so when you change ``d_model`` or
 ``n_heads`` through it, pass ``head_dim=None`` (and ``d_ff=None``) to derive them again;
-``get(name, **overrides)`` builds from the registry's own arguments and has no such trap.
+``configs.get(name, **overrides)`` builds from the registry's own arguments and has no such trap.
+Tested in tests/test_configs.py.
 """
 
 from __future__ import annotations
@@ -28,10 +25,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from course_lib.model.tokenizer import VOCAB_SIZE
 
-
-def _swiglu_hidden(d_model: int, multiple_of: int = 64) -> int:
+def swiglu_hidden(d_model: int, multiple_of: int = 64) -> int:
     """SwiGLU width that keeps the MLP at the classic 8·d² parameters (two d x 4d matrices).
 
     A SwiGLU MLP has three matrices instead of two, so LLaMA (Touvron et al. 2023, §2.2) shrinks the
@@ -61,7 +56,7 @@ class ModelConfig:
     n_heads: int
     n_kv_heads: int | None = None  # None: = n_heads (multi-head attention)
     head_dim: int | None = None  # None: d_model // n_heads (MLA: qk_nope + qk_rope)
-    d_ff: int | None = None  # None: _swiglu_hidden(d_model)
+    d_ff: int | None = None  # None: swiglu_hidden(d_model)
     max_seq_len: int = 2048
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5
@@ -157,7 +152,7 @@ class ModelConfig:
 
     def _derive_and_check_ffn(self) -> None:
         if self.d_ff is None:
-            self._set("d_ff", _swiglu_hidden(self.d_model))
+            self._set("d_ff", swiglu_hidden(self.d_model))
         _require(self.d_ff > 0, f"d_ff={self.d_ff} must be > 0")
         if not self.is_moe:
             unused = (self.n_shared_experts, self.n_activated_experts, self.first_k_dense, self.moe_d_ff)
@@ -353,151 +348,3 @@ _LINEAR_FIELDS = (
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
-
-
-# ---------------------------------------------------------------------- the named configurations
-_COURSE = "course model, sized to train on 2 CPU cores; vocab_size = course_lib.model.tokenizer.VOCAB_SIZE"
-
-# Both gpt-oss models share one layer design (model card Table 1).
-_GPT_OSS_LAYER = dict(
-    vocab_size=201_088,
-    d_model=2880,
-    n_heads=64,
-    n_kv_heads=8,
-    head_dim=64,
-    d_ff=2880,
-    max_seq_len=131_072,
-    rope_theta=150_000.0,
-    norm_eps=1e-5,
-    n_activated_experts=4,
-    moe_d_ff=2880,
-    full_attention_interval=2,
-    sliding_window=128,
-)
-
-_REGISTRY: dict[str, dict] = {
-    "tiny": dict(
-        vocab_size=VOCAB_SIZE,
-        d_model=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        d_ff=_swiglu_hidden(64),
-        max_seq_len=64,
-        source=_COURSE,
-    ),
-    "small": dict(
-        vocab_size=VOCAB_SIZE,
-        d_model=128,
-        n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
-        d_ff=_swiglu_hidden(128),
-        max_seq_len=128,
-        source=_COURSE,
-    ),
-    "deepseek-v3": dict(
-        vocab_size=129_280,
-        d_model=7168,
-        n_layers=61,
-        n_heads=128,
-        n_kv_heads=128,
-        d_ff=18_432,
-        max_seq_len=163_840,
-        rope_theta=10_000.0,
-        norm_eps=1e-6,
-        n_routed_experts=256,
-        n_shared_experts=1,
-        n_activated_experts=8,
-        moe_d_ff=2048,
-        first_k_dense=3,
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        mtp_depth=1,
-        source="DeepSeek-V3 Technical Report (arXiv:2412.19437) §4.2 'Hyper-Parameters'; config.json of "
-        "deepseek-ai/DeepSeek-V3; headline 671B total / 37B activated (report abstract; seed 000 Table 1)",
-    ),
-    "qwen2.5-72b": dict(
-        vocab_size=152_064,
-        d_model=8192,
-        n_layers=80,
-        n_heads=64,
-        n_kv_heads=8,
-        d_ff=29_568,
-        max_seq_len=131_072,
-        rope_theta=1_000_000.0,
-        norm_eps=1e-5,
-        source="Qwen2.5 Technical Report (arXiv:2412.15115) Table 1; config.json of Qwen/Qwen2.5-72B; "
-        "headline 72.7B parameters (model card); KV 327 KB/token (seed 001 Table 1)",
-    ),
-    "llama-3.1-405b": dict(
-        vocab_size=128_256,
-        d_model=16_384,
-        n_layers=126,
-        n_heads=128,
-        n_kv_heads=8,
-        d_ff=53_248,
-        max_seq_len=131_072,
-        rope_theta=500_000.0,
-        norm_eps=1e-5,
-        source="The Llama 3 Herd of Models (arXiv:2407.21783) Table 3; config.json of "
-        "meta-llama/Llama-3.1-405B; headline 405B; KV 516 KB/token (seed 001 Table 1)",
-    ),
-    "gpt-oss-120b": dict(
-        _GPT_OSS_LAYER,
-        n_layers=36,
-        n_routed_experts=128,
-        source="gpt-oss-120b & gpt-oss-20b Model Card (OpenAI, Aug 2025) Table 1; config.json of "
-        "openai/gpt-oss-120b; headline 116.83B total / 5.13B active (seed 000 Table 3: ~117B / ~5.1B)",
-    ),
-    "gpt-oss-20b": dict(  # the 120b's layer, fewer of them and fewer experts
-        _GPT_OSS_LAYER,
-        n_layers=24,
-        n_routed_experts=32,
-        source="gpt-oss-120b & gpt-oss-20b Model Card (OpenAI, Aug 2025) Table 1; config.json of "
-        "openai/gpt-oss-20b; headline 20.91B total / 3.61B active (seed 000 Table 3: ~21B / ~3.6B)",
-    ),
-    "qwen3-next-80b-a3b": dict(
-        # d_ff (intermediate_size) is unused: every layer is MoE. The shared expert has the routed
-        # experts' width (shared_expert_intermediate_size = moe_intermediate_size = 512).
-        vocab_size=151_936,
-        d_model=2048,
-        n_layers=48,
-        n_heads=16,
-        n_kv_heads=2,
-        head_dim=256,
-        d_ff=5120,
-        max_seq_len=262_144,
-        rope_theta=10_000_000.0,
-        norm_eps=1e-6,
-        n_routed_experts=512,
-        n_shared_experts=1,
-        n_activated_experts=10,
-        moe_d_ff=512,
-        full_attention_interval=4,
-        attn_output_gate=True,
-        linear_n_k_heads=16,
-        linear_n_v_heads=32,
-        linear_k_head_dim=128,
-        linear_v_head_dim=128,
-        linear_conv_kernel=4,
-        mtp_depth=1,
-        source="Qwen3-Next blog and model card (Qwen team, Sep 2025); config.json of "
-        "Qwen/Qwen3-Next-80B-A3B-Instruct; headline 80B total / 3B activated (seed 000 Table 4)",
-    ),
-}
-
-
-def names() -> tuple[str, ...]:
-    """Names accepted by :func:`get`, course models first."""
-    return tuple(_REGISTRY)
-
-
-def get(name: str, **overrides) -> ModelConfig:
-    """The named configuration, optionally with fields overridden (validated like any other)."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown model config {name!r}; known configs: {', '.join(names())}")
-    return ModelConfig(**{**_REGISTRY[name], **overrides})

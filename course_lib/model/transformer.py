@@ -184,7 +184,7 @@ def _check_runnable(cfg: ModelConfig) -> None:
     if not isinstance(cfg, ModelConfig):
         raise TypeError(
             f"Transformer expects a course_lib.model.config.ModelConfig, got {type(cfg).__name__}; "
-            f"use course_lib.model.config.get('tiny') or build a ModelConfig"
+            f"use course_lib.model.configs.get('tiny') or build a ModelConfig"
         )
     unsupported = [
         (

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from course_lib.data import MarkovLanguage, make_dataset
 from course_lib.dist import backend, device
 from course_lib.dist.timing import clock
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer, next_token_loss
 from course_lib.parallel.data.zero import Zero
 

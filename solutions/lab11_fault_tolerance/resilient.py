@@ -34,7 +34,7 @@ from course_lib import dist as cdist
 from course_lib.checkpoint.commit import fsync_dir  # given: fsync a directory, so a rename in it is durable
 from course_lib.checkpoint.commit import sha256 as sha256_file  # given: the hex sha256 of a file's bytes
 from course_lib.data import MarkovLanguage, make_dataset
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 from course_lib.optim.lr_schedules import warmup_cosine_lambda
 

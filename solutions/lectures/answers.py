@@ -4,7 +4,7 @@ Try each exercise before reading its answer here. The test run executes the lect
 answers (COURSE_REFERENCE_ANSWERS=1), so every check cell is proven to pass with them.
 """
 
-from course_lib.cost.comm import tp_received_elements
+from course_lib.cost.collective_bytes import tp_received_elements
 
 
 # Lecture 01, §8: one AdamW step (Loshchilov & Hutter 2019, Alg. 2), in place.

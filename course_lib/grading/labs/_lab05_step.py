@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from course_lib.cost.pipeline import in_flight_microbatches, p2p_bytes_per_step
 from course_lib.dist import counter, device
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer, next_token_loss
 from course_lib.parallel.pipeline import executor, stages
 from course_lib.parallel.pipeline.schedules import Schedule

@@ -39,7 +39,7 @@ from course_lib import data
 from course_lib.dist import LaunchTimeout, counter, device, launch, trace
 from course_lib.grading.adapter import Adapter
 from course_lib.grading.grade import Task
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer, next_token_loss
 
 ROLES = ("broadcast_parameters", "plan_buckets", "DDP")

@@ -24,13 +24,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from course_lib.cost.comm import ring_wire_bytes, zero_comm_bytes
+from course_lib.cost.collective_bytes import ring_wire_bytes, zero_comm_bytes
 from course_lib.cost.memory import zero_model_state_bytes
 from course_lib.dist import counter, device, launch
 from course_lib.dist.census import held_bytes
 from course_lib.grading.adapter import Adapter
 from course_lib.grading.grade import Task
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer, next_token_loss
 from course_lib.optim.optimizers import adamw_
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
 
-from course_lib.cost.comm import ring_comm_bytes, ulysses_comm_bytes
+from course_lib.cost.collective_bytes import ring_comm_bytes, ulysses_comm_bytes
 from course_lib.dist import counter, device, launch
 from course_lib.grading.adapter import Adapter
 from course_lib.grading.grade import Task

@@ -46,7 +46,7 @@ from course_lib.grading.labs._lab09_invariants import (
 )
 from course_lib.inference.engine import Engine, Request
 from course_lib.inference.generate import generate
-from course_lib.model.config import get
+from course_lib.model.configs import get
 from course_lib.model.transformer import Transformer
 
 ROLES = ("block_hash", "slot_mapping", "gather_blocks", "BlockPool", "PagedCache")

@@ -41,7 +41,7 @@ from course_lib.dist.mesh import AXES
 from course_lib.grading.adapter import Adapter
 from course_lib.grading.expect import raises
 from course_lib.grading.grade import Task
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.compose import Layout, dense_names, sgd_one_process
 from course_lib.parallel.pipeline.stages import split

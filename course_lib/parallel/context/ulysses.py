@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from course_lib.cost.comm import check_ulysses_divisible
+from course_lib.cost.collective_bytes import check_ulysses_divisible
 
 
 def split(x: torch.Tensor, rank: int, world: int, dim: int = -2) -> torch.Tensor:

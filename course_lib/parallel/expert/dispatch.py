@@ -20,7 +20,7 @@ written out, the backward is on the page, as in :mod:`course_lib.parallel.contex
 **FP8 dispatch** (DeepSeek-V3 report, §3.3.3 "low-precision communication", with the fine-grained
 1 x 128 activation tiles of §3.3.2): ``dispatch(..., fp8=True)`` sends each row as float8 e4m3
 values plus one fp32 scale per ``fp8_block`` channels, 1 + 4/block bytes per element instead of 4
-(:func:`course_lib.cost.comm.fp8_bytes_per_element`); the combine stays in full precision, as in
+(:func:`course_lib.cost.expert_dispatch.fp8_bytes_per_element`); the combine stays in full precision, as in
 the report (its BF16). See :class:`FP8AllToAll` for the rounding and the backward.
 """
 

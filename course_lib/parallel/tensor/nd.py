@@ -27,9 +27,9 @@ Notation: X is [b, h] (b = tokens of the micro-batch), W is [h, n], Y = X·W is 
 
 The counter records payloads per device (counter.py: a broadcast counts its block on every rank,
 root included; all-gather counts the rank's shard; reduce-scatter its input), which
-:func:`course_lib.cost.comm.comm_elements` predicts. The quantity to compare schemes by is what a
-device *receives*: :func:`course_lib.cost.comm.tp_received_elements`, and
-:func:`course_lib.cost.comm.received_bytes` derives it from the counted payloads.
+:func:`course_lib.cost.collective_bytes.comm_elements` predicts. The quantity to compare schemes by is what a
+device *receives*: :func:`course_lib.cost.collective_bytes.tp_received_elements`, and
+:func:`course_lib.cost.collective_bytes.received_bytes` derives it from the counted payloads.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from course_lib.cost.comm import grid_side
+from course_lib.cost.collective_bytes import grid_side
 
 
 def _groups(shape: tuple[int, ...], axis: int) -> dict[int, object]:
