@@ -1,8 +1,8 @@
 """Time gloo's ring all-reduce, for lecture 02's comparison with the alpha-beta model.
 
 Two measurements on ``world_size`` ranks: single all-reduces of growing size (to fit α and β with
-:func:`course_lib.cost.comm.fit_alpha_beta`), and one gradient buffer all-reduced in buckets of
-several sizes (the bucket-size sweep, against :func:`course_lib.cost.comm.bucketed_all_reduce_seconds`).
+:func:`course_lib.cost.alpha_beta.fit_alpha_beta`), and one gradient buffer all-reduced in buckets of
+several sizes (the bucket-size sweep, against :func:`course_lib.cost.ddp_timeline.bucketed_all_reduce_seconds`).
 Wall-clock figures: they depend on the machine and its load, so a lecture prints them only in
 lines that ``lectures/sanitize.cfg`` replaces.
 """

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from course_lib.data import MarkovLanguage, make_dataset
 from course_lib.dist import device, launch, trace
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.compose import Composed, Layout, sgd_one_process
 

@@ -41,7 +41,7 @@ from course_lib.cost.checkpoint import (
 )
 from course_lib.data import MarkovLanguage, make_dataset
 from course_lib.dist import RankError, device, launch
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.data.zero import Zero
 

@@ -1,6 +1,7 @@
 """Time every collective of the alpha-beta model on this machine, and count the nodes a routed token reaches.
 
-Two measurements for lectures 07 and 08, each set beside its formula in :mod:`course_lib.cost.comm`:
+Two measurements for lectures 07 and 08, each set beside its formula in :mod:`course_lib.cost.alpha_beta`
+and :mod:`course_lib.cost.expert_routing`:
 
 * :func:`time_collectives`: gloo's ring all-reduce, a binomial-tree all-reduce, all-gather,
   reduce-scatter, all-to-all and a point-to-point ping-pong, each at message sizes from a few bytes
@@ -23,13 +24,13 @@ import math
 import torch
 import torch.distributed as dist
 
-from course_lib.cost.comm import fit_alpha_beta, relative_errors
+from course_lib.cost.alpha_beta import fit_alpha_beta, relative_errors
 from course_lib.dist import launch, runtime
 from course_lib.dist.timing import clock
 from course_lib.model.moe import Router
 
 COLLECTIVES = ("ring_all_reduce", "tree_all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
-"""What :func:`time_collectives` times, named as :data:`course_lib.cost.comm.ALPHA_BETA` names their models
+"""What :func:`time_collectives` times, named as :data:`course_lib.cost.alpha_beta.ALPHA_BETA` names their models
 ("ring_all_reduce" is gloo's own all-reduce, whatever algorithm gloo picks; fitted α and β are effective
 figures of the library, not of the ideal ring)."""
 
@@ -278,7 +279,7 @@ def route_distinct_nodes(
     ``n_groups = n_nodes`` and ``topk_groups = node_limit`` (None: no limit) picks each token's top-k.
     Its gate gets orthonormal rows (d_model = E) and tokens are N(0, I), so every token's logits are
     independent standard normals: each token's top-k is a uniformly random set of k experts, the
-    assumption of :func:`course_lib.cost.comm.expected_distinct_nodes`."""
+    assumption of :func:`course_lib.cost.expert_routing.expected_distinct_nodes`."""
     # host: a Monte Carlo of routing in this process (a fresh CPU router, no rank): the same draws on any machine
     gen = torch.Generator().manual_seed(seed)
     router = Router(n_experts, n_experts, top_k, score="sigmoid", n_groups=n_nodes, topk_groups=node_limit)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from course_lib import data
 from course_lib.dist import counter, device, launch
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer, next_token_loss
 from course_lib.optim.compression import (
     PowerSGDState,

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from course_lib import data
 from course_lib.dist import device, launch, trace
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.data.ddp import DistributedDataParallel, split_batch
 

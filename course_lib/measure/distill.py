@@ -25,7 +25,7 @@ import torch
 
 from course_lib.data import MarkovLanguage, make_dataset
 from course_lib.dist.timing import clock
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.config import ModelConfig
 from course_lib.model.transformer import Transformer
 from course_lib.optim.distill import distillation_loss

@@ -7,7 +7,7 @@
 * :func:`load_over_training`: max/mean expert load per step without balancing, with the Switch
   auxiliary loss and with DeepSeek-V3's auxiliary-loss-free bias;
 * :func:`a2a_bytes`: the all-to-all bytes a rank hands over per MoE layer, beside
-  :func:`course_lib.cost.comm.ep_dispatch_bytes`.
+  :func:`course_lib.cost.expert_dispatch.ep_dispatch_bytes`.
 
 Sizes are tiny (d_model 64, 2 MoE layers, 8 routed experts top-2 plus one shared, 32-token
 sequences) so that 4 ranks over gloo on 2 CPU cores finish a call in seconds.
@@ -20,11 +20,11 @@ import itertools
 import torch
 import torch.distributed as dist
 
-from course_lib.cost.comm import ep_dispatch_bytes, fp8_bytes_per_element
+from course_lib.cost.expert_dispatch import ep_dispatch_bytes, fp8_bytes_per_element
 from course_lib.data import MarkovLanguage, make_dataset
 from course_lib.dist import counter, device, launch, trace
 from course_lib.dist.timing import clock
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.config import ModelConfig
 from course_lib.model.transformer import Transformer, next_token_loss
 from course_lib.parallel.expert.layer import expert_parallel, global_loads, sync_gradients, update_biases

@@ -56,7 +56,7 @@ from course_lib.data import MarkovLanguage, make_dataset
 from course_lib.dist import backend, device, launch
 from course_lib.dist.census import held_bytes
 from course_lib.measure.quantized_kv import EXTENSIONS
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer, next_token_loss
 from course_lib.parallel.data.ddp import DistributedDataParallel
 from course_lib.parallel.data.zero import Zero

@@ -23,7 +23,7 @@ from course_lib.cost import planner
 from course_lib.dist import device
 from course_lib.dist.launch import launch
 from course_lib.dist.timing import clock, time_calls
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.layers import rope_cos_sin
 from course_lib.model.transformer import Block, Transformer
 from course_lib.parallel.compose import Composed, Layout, check_layout

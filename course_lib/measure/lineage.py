@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from course_lib.data import MarkovLanguage, make_dataset
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.config import ModelConfig
 from course_lib.model.transformer import Transformer
 

@@ -20,7 +20,7 @@ from torch.distributed import pipelining
 
 from course_lib.dist import device, launch, trace
 from course_lib.dist.timing import clock
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer, next_token_loss
 from course_lib.parallel.pipeline import runtime, stages
 from course_lib.parallel.pipeline.schedules import build

@@ -80,7 +80,7 @@ from course_lib.inference.quantized import (
     quantize,
     unpack_codes,
 )
-from course_lib.model.config import get
+from course_lib.model.configs import get
 from course_lib.model.hf_export import export_hf
 from course_lib.model.layers import apply_rope
 from course_lib.model.transformer import Transformer

@@ -46,7 +46,7 @@ import random
 import torch
 
 from course_lib.data import MarkovLanguage, make_dataset
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 from course_lib.precision.formats import FloatFormat, round_to_format
 

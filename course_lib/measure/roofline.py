@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from course_lib.cost import roofline as cost_roofline
-from course_lib.model import config as configs
+from course_lib.model import configs
 
 MiB = 2**20
 # STREAM's rule: each array at least 4x the last-level cache (McCalpin); 256 MiB in all covers the

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from course_lib.data import MarkovLanguage, make_dataset
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer, next_token_loss
 from course_lib.optim.schedules import warmup_cosine_lambda
 from course_lib.optim.stability import clip_grad_norm_, global_grad_norm, logit_z_loss

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from course_lib.dist import Mesh, counter, device, launch
 from course_lib.measure.frameworks import framework_devices
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from course_lib.parallel.tensor.model import TPBlock, TPTransformer
@@ -45,7 +45,7 @@ def collectives_per_layer(cfg, tp_size: int = 2, batch: int = 2, seq_len: int = 
 
     Returns {"TP": {"forward": {...}, "backward": {...}, "norm gradients": {...}}, "TP+SP": {...}},
     each a ``CommCounter.as_dict()`` ({"all_reduce@tp": {"calls": 2, "bytes": ...}, ...}); feed one to
-    :func:`course_lib.cost.comm.ring_wire_bytes` for the ring traffic. One launch of ``tp_size`` ranks.
+    :func:`course_lib.cost.collective_bytes.ring_wire_bytes` for the ring traffic. One launch of ``tp_size`` ranks.
     """
 
     return launch(_count_block_rank, tp_size, cfg, batch, seq_len, (False, True), seed, timeout=120)[0]

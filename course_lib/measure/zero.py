@@ -2,7 +2,7 @@
 
 Bytes held come from :func:`course_lib.dist.census.held_bytes` (via ``Zero.model_state_bytes``),
 bytes moved from :mod:`course_lib.dist.counter`; the formulas from :mod:`course_lib.cost.memory`
-and :mod:`course_lib.cost.comm`. :func:`zero3_step_memory` adds what the census of persistent
+and :mod:`course_lib.cost.collective_bytes`. :func:`zero3_step_memory` adds what the census of persistent
 states leaves out: the allocator's timeline through one ZeRO-3 step, with its transient gathers.
 """
 
@@ -14,12 +14,12 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from course_lib.cost.comm import ring_wire_bytes, zero_comm_bytes
+from course_lib.cost.collective_bytes import ring_wire_bytes, zero_comm_bytes
 from course_lib.cost.memory import STAGES, zero3_gathered_peak_bytes, zero_model_state_bytes
 from course_lib.dist import counter, device, launch
 from course_lib.measure.activations import SavedTensorMeter
 from course_lib.measure.allocations import AllocationTrace
-from course_lib.model import config as configs
+from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.data.zero import Zero
 
