@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/bench_expert.py --steps 8 --batch 16 --fp8
     .venv/bin/python benchmarks/bench_expert.py --versus-dense 600     # MoE vs dense of equal active params
 
-The MoE course model of :func:`course_lib.measure.expert.moe_config` (d_model 64, 2 MoE layers, 8
+The MoE course model of :func:`course_lib.experiments.lecture03.expert_training.moe_config` (d_model 64, 2 MoE layers, 8
 routed experts top-2 + 1 shared) trains ``steps`` steps at each ep (the first is warm-up; medians of
 the rest). Bytes: the all-to-all payload per rank and step (forward and backward, mean over ranks)
 beside the formula L · (4 · ep_dispatch_bytes + ids + split sizes): per layer the dispatch, the
@@ -13,7 +13,7 @@ ep split sizes. Time: rank 0's seconds inside all-to-alls per step beside 2 · L
 and backward, (ep - 1)/ep of the rows leave the rank) at the all-to-all bandwidth measured in the same run.
 
 ``--versus-dense N``: the MoE (aux-loss-free bias, rate 1e-2) and the dense model with as many
-active parameters (:func:`course_lib.measure.expert.dense_config`) train N steps on the same
+active parameters (:func:`course_lib.experiments.lecture03.expert_training.dense_config`) train N steps on the same
 batches; cross-entropy in windows of 50 steps, and the MoE's max/mean expert load (last layer).
 """
 
@@ -23,7 +23,13 @@ import argparse
 import statistics
 
 from course_lib.cost.expert_dispatch import ep_comm_time, ep_dispatch_bytes, fp8_bytes_per_element
-from course_lib.measure.expert import a2a_bandwidth, dense_config, moe_config, train_dense, train_moe
+from course_lib.experiments.lecture03.expert_training import (
+    a2a_bandwidth,
+    dense_config,
+    moe_config,
+    train_dense,
+    train_moe,
+)
 
 
 def versus_dense(steps: int, window: int = 50) -> None:

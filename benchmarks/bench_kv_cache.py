@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_kv_cache.py                      # small model, contexts 32..960
     .venv/bin/python benchmarks/bench_kv_cache.py --model tiny --contexts 64 256 --new-tokens 16
 
-course_lib.measure.decode.decode_speed times ``--new-tokens`` decoding steps after a prompt of each
+course_lib.experiments.lecture06.decode_speed.decode_speed times ``--new-tokens`` decoding steps after a prompt of each
 length (prefill not timed), best of ``--repeats``, the three paths interleaved per context so a noisy
 neighbour slows them alike. The plot goes to build/bench_kv_cache.png.
 """
@@ -18,7 +18,7 @@ import matplotlib
 matplotlib.use("Agg")
 import torch
 
-from course_lib.measure.decode import decode_speed
+from course_lib.experiments.lecture06.decode_speed import decode_speed
 from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 from course_lib.plots import inference as plots

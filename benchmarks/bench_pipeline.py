@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/bench_pipeline.py --p 2 --steps 6 --schedules 1f1b gpipe
 
 Both run the same stages (the course model, config ``small`` with p·v blocks), micro-batches and
-loss through :func:`course_lib.measure.pipeline.versus_torch`, which also checks that their gradients
+loss through :func:`course_lib.experiments.lecture03.pipeline_runs.versus_torch`, which also checks that their gradients
 agree; the time is rank 0's median step after one warm-up step (torch infers shapes on its first).
 The two implementations run one after the other in the same rank processes, so their ratio is the
 figure to read; absolute times on a shared 2-core machine move by ±20% between runs.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from course_lib.measure.pipeline import TORCH_SCHEDULES, versus_torch
+from course_lib.experiments.lecture03.pipeline_runs import TORCH_SCHEDULES, versus_torch
 
 
 def main() -> None:

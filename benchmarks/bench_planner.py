@@ -5,7 +5,7 @@
 
 Every layout of dp × tp × pp = 8 that the planner accepts and course_lib.parallel.compose can run
 (tp ≤ 2: the course model has 2 key/value heads; m ≤ 4 micro-batches) is measured in one launch, in
-interleaved rounds (course_lib.measure.layouts.step_times). The planner runs in its shared-cores mode
+interleaved rounds (course_lib.experiments.lecture10.layout_timing.step_times). The planner runs in its shared-cores mode
 (8 ranks on this machine's cores): the arithmetic rate comes from a one-thread measurement of a block,
 and the two constants a time-shared CPU adds — the fixed cost of a block pass and the α of a message
 under load — are fitted on the probe layouts (m = 1) only; the other layouts are predictions. The
@@ -18,7 +18,13 @@ import argparse
 import os
 
 from course_lib.cost import planner
-from course_lib.measure.layouts import as_planned, calibrate, candidates, fit_shared_cores, step_times
+from course_lib.experiments.lecture10.layout_timing import (
+    as_planned,
+    calibrate,
+    candidates,
+    fit_shared_cores,
+    step_times,
+)
 from course_lib.model import configs
 
 

@@ -40,7 +40,11 @@ tempfile.tempdir = None
 import torch  # noqa: E402
 
 from course_lib.cost.activations import RECOMPUTE_POLICIES, recompute_flops, recompute_peak_bytes  # noqa: E402
-from course_lib.measure.recompute import measure_memory_budget, measure_recompute, step_time_and_peak  # noqa: E402
+from course_lib.experiments.lecture06.recompute_memory import (  # noqa: E402
+    measure_memory_budget,
+    measure_recompute,
+    step_time_and_peak,
+)
 from course_lib.model import configs  # noqa: E402
 
 KIB, MIB = 2**10, 2**20

@@ -4,10 +4,10 @@ checkpoint costs to write.
     .venv/bin/python benchmarks/bench_systems.py
     .venv/bin/python benchmarks/bench_systems.py --repeats 15 --save-rounds 5
 
-* the CPU roofline: peak fp32 GEMM FLOP/s and STREAM copy/triad bandwidth (course_lib.measure.roofline),
+* the CPU roofline: peak fp32 GEMM FLOP/s and STREAM copy/triad bandwidth (course_lib.measure.cpu_roofline),
   with the measured kernels' fraction of their roof;
 * α and β of each collective at 2 gloo ranks, fitted (relative least squares) to every size from 16 B
-  to 24 MiB (course_lib.measure.collectives), and the worst held-out error of the lecture's split;
+  to 24 MiB (course_lib.measure.collective_timing), and the worst held-out error of the lecture's split;
 * seconds to write and verify one atomic, checksummed DCP checkpoint of the tiny model's ZeRO-2 state
   at 2 ranks (course_lib.checkpoint), the C of Young's interval, median of ``--save-rounds``.
 Wall-clock figures: they depend on the machine and its load; BENCHMARKS.md records them with the date.
@@ -26,8 +26,8 @@ from course_lib.checkpoint.zero_state import zero_state_dict
 from course_lib.cost.alpha_beta import fit_alpha_beta
 from course_lib.dist import device, launch
 from course_lib.dist.timing import clock
-from course_lib.measure.collectives import held_out_errors, time_collectives
-from course_lib.measure.roofline import measure_cpu_roofline
+from course_lib.measure.collective_timing import held_out_errors, time_collectives
+from course_lib.measure.cpu_roofline import measure_cpu_roofline
 from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.data.zero import Zero

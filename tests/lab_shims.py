@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from course_lib.experiments.lecture08 import reproducibility
 from course_lib.grading.adapter import load
-from course_lib.measure import reproducibility
 from course_lib.parallel import compose
 from course_lib.parallel.compose import Composed
 from course_lib.parallel.data.ddp import DistributedDataParallel, assign_buckets

@@ -9,7 +9,7 @@ import pytest
 
 from course_lib.cost.activations import activation_bytes_per_layer, korthikanti_bytes_per_layer, sdpa_extra_bytes
 from course_lib.dist import runtime
-from course_lib.measure.activations import measure_layer_bytes
+from course_lib.experiments.lecture03.layer_activation_bytes import measure_layer_bytes
 from course_lib.model import configs
 
 CFG = configs.get("tiny", n_heads=8, n_kv_heads=4)

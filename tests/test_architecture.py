@@ -43,7 +43,8 @@ ALLOWED = {
     "parallel": BELOW_PARALLEL,
     "inference": (*BELOW_PARALLEL, "course_lib.parallel"),
     "checkpoint": (*BELOW_PARALLEL, "course_lib.parallel"),
-    "measure": ("course_lib.",),  # anything but grading (checked below)
+    "measure": ("course_lib.",),  # anything but grading and experiments (checked below)
+    "experiments": ("course_lib.",),  # anything but grading (checked below)
     "plots": (),  # numbers in, Axes out
     "grading": ("course_lib.",),
     "cli": ("course_lib.",),
@@ -127,10 +128,16 @@ def violations(root: Path = LIB) -> list[str]:
             if theirs == "grading" and layer != "cli":
                 problems.append(f"{where}: imports {target}: nothing in course_lib imports grading")
                 continue
-            if theirs == "measure" and layer != "measure":
+            if theirs in ("measure", "experiments") and layer not in ("measure", "experiments"):
                 problems.append(
-                    f"{where}: imports {target}: measurement harnesses are for lectures, tests and "
+                    f"{where}: imports {target}: instruments and experiments are for lectures, tests and "
                     f"benchmarks; move what the algorithm needs below (beside dist's counter)"
+                )
+                continue
+            if theirs == "experiments" and layer == "measure":
+                problems.append(
+                    f"{where}: imports {target}: an instrument does not depend on a lecture's run; "
+                    f"move what both need into measure/"
                 )
                 continue
             allowed = ALLOWED.get(layer)

@@ -1,4 +1,4 @@
-"""The capstone harness (course_lib.measure.capstone) and its timeline (course_lib.plots.capstone): what
+"""The capstone harness (course_lib.experiments.lecture10.capstone_run) and its timeline (course_lib.plots.capstone): what
 lecture 10 prints and asserts, on a shorter run of the same 2 x 2 x 2 layout.
 
 Tolerances: lecture 10 derives them for 40 steps (loss 2e-5 relative: 256 token losses summed in
@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from course_lib.dist.trace import Span
-from course_lib.measure.capstone import CAPSTONE, composed_vs_one_process
+from course_lib.experiments.lecture10.capstone_run import CAPSTONE, composed_vs_one_process
 from course_lib.plots.capstone import mesh_timeline, predicted_vs_measured
 
 LOSS_RTOL, PARAM_ATOL = 2e-5, 6e-5

@@ -3,7 +3,7 @@ incremental and quantized checkpoints, and the data position. The run killed wit
 bit is in tests/test_checkpoint_resume.py.
 
 Single-process tests come first (DCP saves and loads without a process group); then the multi-rank ones, which
-launch the ranks of course_lib.measure.checkpoint's harness: the same code the lecture runs.
+launch the ranks of course_lib.experiments.lecture08.checkpoint_runs: the same code the lecture runs.
 """
 
 import io
@@ -38,7 +38,7 @@ from course_lib.checkpoint import (
 )
 from course_lib.cost import checkpoint as cost
 from course_lib.dist import device, launch
-from course_lib.measure import checkpoint as harness
+from course_lib.experiments.lecture08 import checkpoint_runs
 from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.data.zero import Zero
@@ -223,8 +223,8 @@ def test_quantized_error_is_within_its_bound_and_the_size_is_the_formula(tmp_pat
 
 
 def test_data_position_resumes_the_same_batches_at_any_world_size():
-    ds = harness.dataset()
-    steps_per_epoch = len(ds) // harness.GLOBAL_BATCH
+    ds = checkpoint_runs.dataset()
+    steps_per_epoch = len(ds) // checkpoint_runs.GLOBAL_BATCH
     whole = list(itertools.islice(TrainState(0, 3, 8).batches(ds, 0, 1), 2 * steps_per_epoch))
     for s in (0, 4, steps_per_epoch + 1):  # the last one starts inside the second epoch
         for world in (1, 2, 4):
@@ -332,7 +332,7 @@ def test_every_zero_stage_saved_at_4_ranks_loads_exactly_at_2(tmp_path):
         truth, truth_params = saved[0]["saved"][case]
         for rank, result in enumerate(loaded):
             state, params = result[case]
-            wrong = [k for k in truth if not harness.same(state[k], truth[k])]
+            wrong = [k for k in truth if not checkpoint_runs.same(state[k], truth[k])]
             wrong += [n for n in truth_params if not torch.equal(params[n], truth_params[n])]
             # exact: resharding copies elements, it computes nothing
             assert not wrong, (
@@ -342,11 +342,13 @@ def test_every_zero_stage_saved_at_4_ranks_loads_exactly_at_2(tmp_path):
 
 
 def test_reshard_4_to_2_and_back_continues_with_the_same_losses(tmp_path):
-    run = harness.reshard(str(tmp_path))
+    run = checkpoint_runs.reshard(str(tmp_path))
     big, small, back = run["big"], run["small"], run["back"]
     for loaded, saved, what in ((small, big, "4 -> 2"), (back, small, "2 -> 4")):
         step = int(loaded["loaded_from"][-8:])
-        wrong = [k for k in saved["saved"][step] if not harness.same(loaded["loaded"][k], saved["saved"][step][k])]
+        wrong = [
+            k for k in saved["saved"][step] if not checkpoint_runs.same(loaded["loaded"][k], saved["saved"][step][k])
+        ]
         assert not wrong, (
             f"{what}: the state loaded must be the state saved at step {step} bit for bit; differs: {wrong}"
         )
@@ -370,7 +372,7 @@ def _refusals(paths):
     """Try to load each damaged checkpoint into a fresh ZeRO; the CorruptCheckpoint message of each, or None."""
     out = []
     for path in paths:
-        zero = Zero(Transformer(configs.get("tiny", **harness.MODEL)).to(device()), 2)
+        zero = Zero(Transformer(configs.get("tiny", **checkpoint_runs.MODEL)).to(device()), 2)
         try:
             sharded.load(path, zero_state_dict(zero))
             out.append(None)
@@ -381,7 +383,7 @@ def _refusals(paths):
 
 def test_a_save_killed_before_its_manifest_leaves_the_previous_checkpoint(tmp_path):
     root = tmp_path / "run"
-    crash = harness.crash_during_save(str(root), save_every=2, crash_at=6)
+    crash = checkpoint_runs.crash_during_save(str(root), save_every=2, crash_at=6)
     tmp = [e for e in crash["entries"] if e.startswith(".tmp-step_00000006")]
     assert tmp and sorted(set(crash["entries"]) - set(tmp)) == ["step_00000002", "step_00000004"], (
         f"rank 0 died in the save of step 6: only a temp folder for step 6 may exist; found {crash['entries']}"
@@ -390,9 +392,9 @@ def test_a_save_killed_before_its_manifest_leaves_the_previous_checkpoint(tmp_pa
         f"the crash was to come after DCP wrote every shard; the temp folder holds {crash['tmp_files']}"
     )
     assert crash["latest"] == "step_00000004", f"latest() must fall back to step 4, picked {crash['latest']}"
-    copies = harness.corrupt_copies(root / "step_00000004", tmp_path / "copies")
+    copies = checkpoint_runs.corrupt_copies(root / "step_00000004", tmp_path / "copies")
     # resume from what the crash left, saving every 2 steps and keeping 2: the temp folder and step 2 are pruned
-    resumed = launch(harness.train, 2, str(root), 8, save_every=2, keep=2, load=str(root), timeout=120)
+    resumed = launch(checkpoint_runs.train, 2, str(root), 8, save_every=2, keep=2, load=str(root), timeout=120)
     assert resumed[0]["loaded_from"] == "step_00000004" and resumed[0]["step"] == 8
     assert sorted(os.listdir(root)) == ["step_00000006", "step_00000008"], (
         f"with keep=2 only the newest two checkpoints remain, and no temp folder; found {sorted(os.listdir(root))}"
@@ -407,7 +409,7 @@ def test_a_save_killed_before_its_manifest_leaves_the_previous_checkpoint(tmp_pa
 
 
 def test_incremental_and_quantized_sizes_against_the_formulas(tmp_path):
-    sizes = harness.checkpoint_sizes(str(tmp_path))
+    sizes = checkpoint_runs.checkpoint_sizes(str(tmp_path))
     for name, row in sizes.items():
         low, high = row["bounds"]
         assert low <= row["files"] <= high, (

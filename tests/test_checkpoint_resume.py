@@ -1,7 +1,7 @@
 """A rank SIGKILLed at a random step, the run resumed from its last checkpoint: bit for bit the uninterrupted run.
 
 Acceptance test of lecture 08's fault tolerance (course_lib.checkpoint). Three launches of
-course_lib.measure.checkpoint.train at 2 ranks: uninterrupted; killed (rank and step drawn from a seeded
+course_lib.experiments.lecture08.checkpoint_runs.train at 2 ranks: uninterrupted; killed (rank and step drawn from a seeded
 random.Random); resumed from latest(root). ZeRO-3 with bf16 parameters, fp32 master weights and Adam moments, and a
 token dropout drawn from each rank's torch RNG: the parameters, the optimizer state, the data position and the RNG
 streams must all be restored, or the resumed run drifts away from the uninterrupted one.
@@ -14,13 +14,13 @@ position), with the same random draws (the RNG state); nothing depends on wall-c
 import torch
 
 from course_lib.checkpoint.commit import step_dir
-from course_lib.measure import checkpoint as harness
+from course_lib.experiments.lecture08 import checkpoint_runs
 
 STEPS, EVERY = 12, 3
 
 
 def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path):
-    run = harness.kill_and_resume(
+    run = checkpoint_runs.kill_and_resume(
         str(tmp_path), world_size=2, steps=STEPS, save_every=EVERY, seed=0, stage=3, precision="bf16"
     )
     kill_at, victim = run["kill_at"], run["victim"]
@@ -41,7 +41,7 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path):
         )
         for key in ref["state"]:
             what = "parameters" if key.startswith("model.") else "optimizer state"
-            assert harness.same(res["state"][key], ref["state"][key]), (
+            assert checkpoint_runs.same(res["state"][key], ref["state"][key]), (
                 f"rank {rank}: {what} {key!r} after resuming differ from the uninterrupted run; everything the "
                 "step reads must be restored: parameter shards, fp32 master weights, Adam moments and step count"
             )

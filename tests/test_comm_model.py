@@ -34,12 +34,11 @@ from course_lib.cost.expert_dispatch import ep_comm_time, ep_layer_comm_seconds
 from course_lib.cost.expert_routing import distinct_nodes_variance, expected_distinct_nodes
 from course_lib.cost.links import link_alpha_beta, step_comm_on, tp_step_comm_seconds
 from course_lib.dist import device, launch
-from course_lib.measure.collectives import (
+from course_lib.experiments.lecture07.node_routing import route_distinct_nodes, standard_error
+from course_lib.measure.collective_timing import (
     COLLECTIVES,
     message_sizes,
-    route_distinct_nodes,
     split_sizes,
-    standard_error,
     time_and_fit,
     tree_all_reduce,
 )

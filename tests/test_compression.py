@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from course_lib.cost.compression_payload import powersgd_comm_bytes, qsgd_comm_bytes, sign_comm_bytes, topk_comm_bytes
 from course_lib.dist import counter, device, launch
-from course_lib.measure import compression as compression_runs
+from course_lib.experiments.lecture05 import gradient_compression_runs
 from course_lib.model import configs
 from course_lib.model.transformer import Transformer, next_token_loss
 from course_lib.optim.compression import QSGDState, TopKState, pack_bits, qsgd_dequantize, qsgd_quantize, unpack_bits
@@ -29,9 +29,13 @@ from course_lib.parallel.data.comm_hook import GradBucket
 from course_lib.parallel.data.ddp import DistributedDataParallel, split_batch
 
 EPS = torch.finfo(torch.float32).eps
-# the harness's settings and hooks (course_lib.measure.compression): ~52 KB buckets, so the tiny model's
+# the harness's settings and hooks (course_lib.experiments.lecture05.gradient_compression_runs): ~52 KB buckets, so the tiny model's
 # 417 KiB of gradients make 5 of them (as in tests/test_ddp.py); 8 sequences of 32 tokens per step
-CAP_MB, HOOKS, _global_batches = compression_runs.CAP_MB, compression_runs.HOOKS, compression_runs.global_batches
+CAP_MB, HOOKS, _global_batches = (
+    gradient_compression_runs.CAP_MB,
+    gradient_compression_runs.HOOKS,
+    gradient_compression_runs.global_batches,
+)
 
 
 def _expected_bytes(name: str, shapes: list[tuple[int, ...]], state) -> int:
@@ -276,7 +280,7 @@ STEPS_TRAINED = 30
 @functools.cache
 def _runs() -> dict:
     """Every hook trained 30 steps from one initial model on the same batches, in one launch."""
-    return compression_runs.train_with_hooks(steps=STEPS_TRAINED, seed=1)
+    return gradient_compression_runs.train_with_hooks(steps=STEPS_TRAINED, seed=1)
 
 
 @pytest.mark.parametrize("name", ["topk", "qsgd", "sign", "powersgd"])

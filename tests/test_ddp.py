@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from course_lib import data
 from course_lib.dist import counter, device, launch
-from course_lib.measure.ddp import trace_step
+from course_lib.experiments.lecture02.ddp_trace import trace_step
 from course_lib.model import configs
 from course_lib.model.transformer import Transformer, next_token_loss
 from course_lib.parallel.data.ddp import DistributedDataParallel, NaiveDataParallel, assign_buckets, split_batch

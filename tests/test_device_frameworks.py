@@ -1,6 +1,6 @@
 """The frameworks beside course_lib compute where the course's ranks do (issue 28).
 
-One rule (course_lib/measure/frameworks.py, ``framework_devices``): the course's ``device()`` and
+One rule (course_lib/experiments/third_party.py, ``framework_devices``): the course's ``device()`` and
 ``backend()`` decide, and DeepSpeed (``DS_ACCELERATOR``), accelerate (its process-group backend),
 Lightning Fabric (``accelerator=``) and Megatron-Core (CPU initialisation or not) are told the same.
 Left alone, DeepSpeed picks CUDA whenever a GPU is visible, even where the course keeps its ranks on
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from course_lib.measure import frameworks
-from course_lib.measure.frameworks import framework_devices
+from course_lib.experiments import third_party
+from course_lib.experiments.third_party import framework_devices
 
 LAB_SCRIPT = Path(__file__).resolve().parent.parent / "solutions" / "lab03_zero" / "train_deepspeed.py"
 
@@ -46,8 +46,8 @@ def test_a_device_and_backend_that_disagree_are_refused(on, backend):
 
 
 def test_the_default_is_the_course_choice_on_this_machine(monkeypatch):
-    monkeypatch.setattr(frameworks, "device", lambda: torch.device("cuda", 3))
-    monkeypatch.setattr(frameworks, "backend", lambda: "nccl")
+    monkeypatch.setattr(third_party, "device", lambda: torch.device("cuda", 3))
+    monkeypatch.setattr(third_party, "backend", lambda: "nccl")
     assert framework_devices() == framework_devices(torch.device("cuda", 3), "nccl")
     monkeypatch.undo()
     assert framework_devices().device.type in ("cpu", "cuda")

@@ -1,6 +1,6 @@
 """Lecture 06's recomputation bytes on the device the code runs on (issue 28).
 
-``course_lib.measure.recompute`` runs where it is told (default: ``course_lib.dist.device()``, cuda:0
+``course_lib.experiments.lecture06.recompute_memory`` runs where it is told (default: ``course_lib.dist.device()``, cuda:0
 in a notebook on a GPU machine), and its byte model adds the device kernel's own extra: CUDA's fp32
 SDPA kernel (memory-efficient attention) pads its log-sum-exp to 32 rows and returns two int64 RNG
 scalars, where the CPU's kernel keeps a·s·b values exactly. No GPU here: the CUDA term's arithmetic
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from course_lib.cost.activations import recompute_kernel_extra, recompute_peak_bytes, sdpa_extra_bytes
-from course_lib.measure import recompute
+from course_lib.experiments.lecture06 import recompute_memory
 from course_lib.model import configs
 
 TINY = configs.get("tiny")
@@ -56,8 +56,8 @@ def test_model_vs_measurement_adds_the_kernel_of_the_device_it_measured_on(monke
         seen.append(device)
         return {"saved": 1, "peak": 2, "saved_hooks": 3}
 
-    monkeypatch.setattr(recompute, "measure_recompute", stand_in)
-    rows = recompute.model_vs_measurement(TINY, 2, 16, attention="flash", device="cuda")
+    monkeypatch.setattr(recompute_memory, "measure_recompute", stand_in)
+    rows = recompute_memory.model_vs_measurement(TINY, 2, 16, attention="flash", device="cuda")
     assert seen == [torch.device("cuda")] * 3, f"measure_recompute must run on the device asked for, got {seen}"
     for row in rows:
         model = recompute_peak_bytes(TINY, 2, 16, row["policy"], "flash")
@@ -70,12 +70,12 @@ def test_model_vs_measurement_adds_the_kernel_of_the_device_it_measured_on(monke
 
 
 def test_build_honours_the_device_it_is_given():
-    model = recompute.build(TINY, "selective", device=torch.device("meta"))
+    model = recompute_memory.build(TINY, "selective", device=torch.device("meta"))
     assert {p.device.type for p in model.parameters()} == {"meta"}
 
 
 def test_cpu_measurement_is_the_model_byte_for_byte():
-    row = recompute.model_vs_measurement(TINY, 2, 16, ("selective",), device="cpu")[0]
+    row = recompute_memory.model_vs_measurement(TINY, 2, 16, ("selective",), device="cpu")[0]
     assert (row["measured_saved"], row["measured_peak"]) == (row["model_saved"], row["model_peak"])
     model = recompute_peak_bytes(TINY, 2, 16, "selective")
     assert (row["model_saved"], row["model_peak"]) == (model["saved"], model["peak"]), "the CPU's numbers changed"

@@ -148,7 +148,7 @@ def test_averaging_two_finetunes_of_one_base_keeps_their_loss():
 
 
 # ------------------------------------------------------------------------------------------------------
-# Distilling the course's tiny model into a smaller one (course_lib.measure.distill)
+# Distilling the course's tiny model into a smaller one (course_lib.experiments.lecture05.distillation_run)
 # ------------------------------------------------------------------------------------------------------
 
 
@@ -157,7 +157,7 @@ def distilled(one_thread):
     """Teacher: tiny (107k parameters), 800 steps; students: d_model 32, one layer (26k), 400 steps each
     from the same initial weights on the same batches. ~10 s on one thread, ~20 s under ATEN_CPU_CAPABILITY=default
     (measured on the shared 2-core machine)."""
-    from course_lib.measure.distill import distill
+    from course_lib.experiments.lecture05.distillation_run import distill
 
     return distill()
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from course_lib.cost.collective_bytes import ring_comm_bytes
+from course_lib.experiments.lecture02.tp_collectives import tp_step_collectives
 from course_lib.grading import exercises
-from course_lib.measure.tensor_parallel import tp_step_collectives
 from course_lib.model import configs
 
 LECTURES = Path(__file__).resolve().parent.parent / "lectures"

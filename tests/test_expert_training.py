@@ -1,4 +1,4 @@
-"""Expert-parallel training of the course's MoE model (course_lib.parallel.expert.layer, course_lib.measure.expert):
+"""Expert-parallel training of the course's MoE model (course_lib.parallel.expert.layer, course_lib.experiments.lecture03.expert_training):
 the same curve as one rank, the bytes of the formula, FP8 dispatch within e4m3's rounding, balancing."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from course_lib.cost.expert_dispatch import ep_dispatch_bytes, fp8_bytes_per_element
 from course_lib.dist import counter, device, launch
-from course_lib.measure import expert as measure
+from course_lib.experiments.lecture03 import expert_training
 from course_lib.model import moe
 from course_lib.parallel.expert.dispatch import combine, dispatch, local_experts
 
@@ -19,12 +19,12 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def one_rank():
-    return measure.train_moe(1, steps=STEPS, rate=1e-3)
+    return expert_training.train_moe(1, steps=STEPS, rate=1e-3)
 
 
 @pytest.mark.parametrize("ep", [2, 4])
 def test_expert_parallel_training_follows_one_rank(one_rank, ep):
-    run = measure.train_moe(ep, steps=STEPS, rate=1e-3)
+    run = expert_training.train_moe(ep, steps=STEPS, rate=1e-3)
     # The comparison is only meaningful while every token picks the same experts: routing is a
     # discrete choice, and one flipped near-tie sends the two runs down different (equally valid) paths.
     for step, (ours, ref) in enumerate(zip(run["experts"], one_rank["experts"])):
@@ -51,7 +51,7 @@ def test_expert_parallel_training_follows_one_rank(one_rank, ep):
 
 @pytest.mark.parametrize("ep,fp8", [(2, False), (4, False), (2, True)])
 def test_all_to_all_bytes_equal_the_formula(ep, fp8):
-    r = measure.a2a_bytes(ep, fp8=fp8)
+    r = expert_training.a2a_bytes(ep, fp8=fp8)
     for rank, per_layer in enumerate(r["dispatch"]):
         for layer, sent in enumerate(per_layer):
             assert sent == r["formula_dispatch"], (
@@ -174,8 +174,8 @@ def test_aux_loss_free_bias_lowers_the_load_imbalance():
     then 1.7 over the last 40 steps (2.1 with ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1: the
     trajectories are chaotic, so the margins below are half the measured gaps)."""
     steps, last = 200, 40
-    free = measure.load_over_training("aux_free", steps=steps, rate=1e-2)
-    none = measure.load_over_training("none", steps=steps)
+    free = expert_training.load_over_training("aux_free", steps=steps, rate=1e-2)
+    none = expert_training.load_over_training("none", steps=steps)
     mean_free, mean_none = (sum(r["max_over_mean"][-last:]) / last for r in (free, none))
     plateau = sum(free["max_over_mean"][20:100]) / 80
     # max/mean = E/k = 4 means every token of the step went to the same k experts
@@ -212,10 +212,10 @@ def test_moe_against_dense_of_equal_active_parameters():
     Here, 60 steps: both on the plateau.
     """
     steps = 60
-    dense = measure.train_dense(steps=steps)
-    moe_run = measure.train_moe(1, steps=steps, balance="none")
-    cfg = measure.moe_config()
-    dcfg = measure.dense_config(cfg)
+    dense = expert_training.train_dense(steps=steps)
+    moe_run = expert_training.train_moe(1, steps=steps, balance="none")
+    cfg = expert_training.moe_config()
+    dcfg = expert_training.dense_config(cfg)
     gap = abs(cfg.n_active_params() - dcfg.n_active_params()) / dcfg.n_active_params()
     assert gap < 0.002, f"active parameters {cfg.n_active_params()} vs {dcfg.n_active_params()}: d_ff badly chosen"
     tail = lambda c: sum(c[-10:]) / 10

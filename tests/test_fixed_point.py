@@ -4,7 +4,7 @@ example of lecture 05 (round to nearest stalls a fixed-point SGD, stochastic rou
 import pytest
 import torch
 
-from course_lib.measure.fixed_point import train_regression
+from course_lib.experiments.lecture05.fixed_point_regression import train_regression
 from course_lib.precision.fixed_point import from_fixed, int8_matmul, to_fixed, ulp
 
 

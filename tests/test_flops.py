@@ -11,7 +11,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from course_lib.cost import flops, hardware, roofline
-from course_lib.measure.flops import count_training_flops
+from course_lib.measure.flop_counter import count_training_flops
 from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 

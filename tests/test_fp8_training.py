@@ -1,5 +1,5 @@
 """FP8 training end to end: the course model trained with FP8 linears against bf16 and fp32
-(course_lib.measure.precision), the model-wide swap (convert_to_fp8_training), and the course's
+(course_lib.experiments.lecture05.precision_comparison), the model-wide swap (convert_to_fp8_training), and the course's
 FP8Linear beside torchao's Float8Linear on the same weights and inputs.
 
 Tolerances for single layers are derived from the formats as in tests/test_fp8.py (e4m3 rounds to
@@ -18,7 +18,11 @@ from torchao.float8.float8_linear import Float8Linear
 from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
 from torchao.float8.float8_training_tensor import LinearMMConfig
 
-from course_lib.measure.precision import compare_precisions, precision_config, precision_language
+from course_lib.experiments.lecture05.precision_comparison import (
+    compare_precisions,
+    precision_config,
+    precision_language,
+)
 from course_lib.model.transformer import Transformer
 from course_lib.precision.fp8_gemm import fp8_matmul
 from course_lib.precision.fp8_linear import FP8Linear, convert_to_fp8_training

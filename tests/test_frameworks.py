@@ -1,7 +1,7 @@
 """Lecture 09's side-by-sides, asserted: each framework beside course_lib on the same model, data and seed.
 
 DeepSpeed ZeRO-2 under `accelerate launch`, torch's FSDP2 and Lightning Fabric's DDP run for real on 2
-gloo ranks (course_lib.measure.frameworks); the configuration search's claims come from course_lib.cost.
+gloo ranks (course_lib.experiments.lecture09); the configuration search's claims come from course_lib.cost.
 vLLM, torch.distributed.pipelining and Megatron-Core are checked in test_vllm.py, test_pipeline.py and
 test_tensor_parallel.py.
 """
@@ -9,7 +9,8 @@ test_tensor_parallel.py.
 from course_lib.cost.collective_bytes import tp_received_elements
 from course_lib.cost.memory import zero_model_state_bytes
 from course_lib.cost.planner import Cluster, Layout, plan, predict, reasons
-from course_lib.measure.frameworks import deepspeed_versus_zero, fabric_versus_ddp, fsdp2_versus_zero3
+from course_lib.experiments.lecture09.deepspeed_vs_zero import deepspeed_versus_zero
+from course_lib.experiments.lecture09.fabric_fsdp_vs_course import fabric_versus_ddp, fsdp2_versus_zero3
 from course_lib.model import configs
 
 

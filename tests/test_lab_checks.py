@@ -14,7 +14,7 @@ deterministic runs) attack the lab's own ``train`` loop, which the library does 
 its killed save injects the fault through the lab's ``write_shards``, which the library never calls; and
 Task 2's checks drive the lab's ``capture``/``restore``, which the library has in another shape. Its
 commit (durability order and damaged shards included), verification, guard, deterministic mode and
-rank-order sum meet the unit checks here, and its own loop (course_lib.measure.checkpoint) meets the
+rank-order sum meet the unit checks here, and its own loop (course_lib.experiments.lecture08.checkpoint_runs) meets the
 same attacks in tests/test_checkpoint_resume.py.
 Lab 10's traffic and cost-model checks (``traffic``, ``step_seconds``, ``pick``) grade the lab's own
 alpha-beta model against the measured traffic of the lab's step; course_lib's planner

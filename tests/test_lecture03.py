@@ -1,5 +1,5 @@
 """Lecture 03's pipeline and overlap arithmetic (course_lib.cost.pipeline, course_lib.cost.overlap), the ring
-timeline (course_lib.measure.context_parallel, course_lib.plots.context_parallel), and that the lecture's
+timeline (course_lib.experiments.lecture03.ring_attention_trace, course_lib.plots.context_parallel), and that the lecture's
 long-context memory conclusion counts the micro-batches a 1F1B pipeline keeps in flight.
 """
 
@@ -14,7 +14,7 @@ from course_lib.cost import activations as am
 from course_lib.cost.overlap import ring_min_block_tokens, ring_step_bytes, ring_step_flops
 from course_lib.cost.pipeline import in_flight_microbatches
 from course_lib.dist.trace import Span
-from course_lib.measure.context_parallel import trace_ring_attention
+from course_lib.experiments.lecture03.ring_attention_trace import trace_ring_attention
 from course_lib.model import configs
 from course_lib.plots.context_parallel import comm_intervals, ring_timeline
 

@@ -1,4 +1,4 @@
-"""SeedPrints-style lineage (course_lib.measure.lineage): calibrated on one family, checked on others.
+"""SeedPrints-style lineage (course_lib.experiments.lecture08.lineage_fingerprints): calibrated on one family, checked on others.
 
 The acceptance test of lecture 08: the decision rule (a threshold on the permutation z-score) is
 set on one family of models, init seeds 0 and 1, and then must tell relatives from strangers on
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from course_lib.data import MarkovLanguage
-from course_lib.measure import lineage
+from course_lib.experiments.lecture08 import lineage_fingerprints
 from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 
@@ -26,7 +26,7 @@ RECIPES = (("a", 10, 3e-3), ("b", 20, 1e-2))  # relatives differ in data seed an
 def _family(seeds, **kwargs) -> dict:
     """{(init seed, tag): fingerprint} for two relatives per init seed."""
     return {
-        (s, tag): lineage.fingerprint(lineage.train_model(s, offset + s, lr, **kwargs))
+        (s, tag): lineage_fingerprints.fingerprint(lineage_fingerprints.train_model(s, offset + s, lr, **kwargs))
         for s in seeds
         for tag, offset, lr in RECIPES
     }
@@ -37,10 +37,10 @@ def _fine_tuned_family(seeds) -> dict:
     other_language = MarkovLanguage(order=2, n_symbols=16, seed=3)
     out = {}
     for s in seeds:
-        base = lineage.train_model(s, 5, 3e-3).state_dict()
+        base = lineage_fingerprints.train_model(s, 5, 3e-3).state_dict()
         for tag, data_seed, lr in (("a", 11, 1e-3), ("b", 12, 3e-3)):
-            model = lineage.train_model(None, data_seed, lr, steps=60, language=other_language, start=base)
-            out[(s, tag)] = lineage.fingerprint(model)
+            model = lineage_fingerprints.train_model(None, data_seed, lr, steps=60, language=other_language, start=base)
+            out[(s, tag)] = lineage_fingerprints.fingerprint(model)
     return out
 
 
@@ -48,7 +48,7 @@ def _pairs(family: dict):
     """(relative z scores, stranger z scores): every ordered pair of distinct models."""
     relatives, strangers = [], []
     for ref, cand in itertools.permutations(family, 2):
-        z = lineage.lineage_score(family[ref], family[cand])["z"]
+        z = lineage_fingerprints.lineage_score(family[ref], family[cand])["z"]
         (relatives if ref[0] == cand[0] else strangers).append(z)
     return relatives, strangers
 
@@ -56,7 +56,7 @@ def _pairs(family: dict):
 @pytest.fixture(scope="module")
 def threshold():
     relatives, strangers = _pairs(_family((0, 1)))
-    return lineage.calibrate_threshold(relatives, strangers)
+    return lineage_fingerprints.calibrate_threshold(relatives, strangers)
 
 
 @pytest.fixture(scope="module")
@@ -87,28 +87,30 @@ def test_held_out_relatives_are_recognised_and_strangers_are_not(held_out, thres
 
 def test_a_trained_model_still_carries_its_untrained_fingerprint(threshold):
     torch.manual_seed(2)
-    newborn = lineage.fingerprint(Transformer(configs.get("tiny")))
+    newborn = lineage_fingerprints.fingerprint(Transformer(configs.get("tiny")))
     torch.manual_seed(102)
-    other_newborn = lineage.fingerprint(Transformer(configs.get("tiny")))
-    trained = lineage.fingerprint(lineage.train_model(2, 12, 3e-3))
+    other_newborn = lineage_fingerprints.fingerprint(Transformer(configs.get("tiny")))
+    trained = lineage_fingerprints.fingerprint(lineage_fingerprints.train_model(2, 12, 3e-3))
     # measured z 17.9 (trained as reference, seed 2) and 0.6 against another seed's newborn
-    assert lineage.lineage_score(trained, newborn)["z"] > threshold, "birth to trained: the same seed"
-    assert lineage.lineage_score(trained, other_newborn)["z"] < threshold
+    assert lineage_fingerprints.lineage_score(trained, newborn)["z"] > threshold, "birth to trained: the same seed"
+    assert lineage_fingerprints.lineage_score(trained, other_newborn)["z"] < threshold
 
 
 def test_fingerprint_and_score_behave_like_their_definitions():
     torch.manual_seed(0)
     model = Transformer(configs.get("tiny"))
-    fp = lineage.fingerprint(model)
+    fp = lineage_fingerprints.fingerprint(model)
     assert fp.shape == (64, 64) and (fp <= 0).all(), "a table of mean log-probabilities, one row per input token"
-    assert torch.equal(fp, lineage.fingerprint(model)), "the probe is fixed by its seed: same model, same table"
-    self_score = lineage.lineage_score(fp, fp)
+    assert torch.equal(fp, lineage_fingerprints.fingerprint(model)), (
+        "the probe is fixed by its seed: same model, same table"
+    )
+    self_score = lineage_fingerprints.lineage_score(fp, fp)
     assert self_score["rho"] == pytest.approx(1.0) and self_score["p"] == pytest.approx(1 / 501)
     # relabel the candidate's vocabulary: the same numbers, tokens no longer matched up
     g = torch.Generator().manual_seed(0)
     shuffled = fp[torch.randperm(64, generator=g)][:, torch.randperm(64, generator=g)]
-    assert lineage.lineage_score(fp, shuffled)["z"] < 4, "a relabelled copy must look like a stranger"
+    assert lineage_fingerprints.lineage_score(fp, shuffled)["z"] < 4, "a relabelled copy must look like a stranger"
     with pytest.raises(ValueError, match="same vocabulary"):
-        lineage.lineage_score(fp, fp[:32])
+        lineage_fingerprints.lineage_score(fp, fp[:32])
     with pytest.raises(ValueError, match="calibration failed"):
-        lineage.calibrate_threshold([3.0], [2.0])
+        lineage_fingerprints.calibrate_threshold([3.0], [2.0])

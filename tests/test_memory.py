@@ -1,8 +1,8 @@
-"""ZeRO's memory and communication formulas (course_lib.cost) against measurement (course_lib.measure.zero).
+"""ZeRO's memory and communication formulas (course_lib.cost) against measurement (course_lib.experiments.lecture02.zero_stages).
 
 Lab 03's checks of bytes held (fp32, 4 ranks) and of ZeRO-3's bytes moved (fp32, 2 ranks) run on
 course_lib's Zero in tests/test_lab_checks.py; here every stage is measured, in bf16 and fp32,
-through course_lib.measure.zero, the code behind lecture 02's bars.
+through course_lib.experiments.lecture02.zero_stages, the code behind lecture 02's bars.
 """
 
 import pytest
@@ -12,8 +12,13 @@ import torch.nn as nn
 from course_lib.cost.collective_bytes import paper_comm_volume, ring_wire_bytes, zero_comm_bytes
 from course_lib.cost.memory import zero3_gathered_peak_bytes, zero_model_state_bytes
 from course_lib.dist.census import held_bytes
+from course_lib.experiments.lecture02.zero_stages import (
+    measure_stages,
+    measured_comm_bytes,
+    measured_state_bytes,
+    zero3_step_memory,
+)
 from course_lib.measure.allocations import AllocationTrace
-from course_lib.measure.zero import measure_stages, measured_comm_bytes, measured_state_bytes, zero3_step_memory
 
 GB = 1e9
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from course_lib.cost import pipeline as cost
 from course_lib.cost.activations import activation_bytes_per_layer
 from course_lib.dist import counter, device, launch
-from course_lib.measure.pipeline import TORCH_SCHEDULES, measured_bubble, versus_torch
+from course_lib.experiments.lecture03.pipeline_runs import TORCH_SCHEDULES, measured_bubble, versus_torch
 from course_lib.measure.stage_activations import StageActivationMeter
 from course_lib.model import configs
 from course_lib.model.transformer import Transformer, next_token_loss

@@ -12,7 +12,13 @@ from course_lib.cost import planner
 from course_lib.cost.flops import train_flops_per_token
 from course_lib.cost.memory import zero_model_state_bytes
 from course_lib.cost.planner import Cluster, Layout, plan, predict, reasons
-from course_lib.measure.layouts import as_planned, candidates, fit_shared_cores, shared_cores_cluster, step_times
+from course_lib.experiments.lecture10.layout_timing import (
+    as_planned,
+    candidates,
+    fit_shared_cores,
+    shared_cores_cluster,
+    step_times,
+)
 from course_lib.model import configs
 from course_lib.parallel.compose import Layout as ComposedLayout
 

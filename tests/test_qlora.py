@@ -13,7 +13,14 @@ import torch.nn as nn
 
 from course_lib.cost.memory import lora_elements, nf4_bits_per_parameter, nf4_bytes, qlora_bytes
 from course_lib.data import MarkovLanguage
-from course_lib.measure.qlora import BLOCK_LINEARS, dequantized_copy, make_qlora, qlora_held_bytes, train, val_loss
+from course_lib.experiments.lecture05.qlora_finetune import (
+    BLOCK_LINEARS,
+    dequantized_copy,
+    make_qlora,
+    qlora_held_bytes,
+    train,
+    val_loss,
+)
 from course_lib.model import configs
 from course_lib.model.lora import LoRALinear, apply_lora, lora_parameters, merge_lora
 from course_lib.model.transformer import Transformer

@@ -3,7 +3,7 @@ transformers' quantized cache beside it.
 
 Each check is the invariant that defines the piece: a code comes back within half a step; the cache built
 token by token holds what quantizing the whole sequence at once gives; its bytes are the formula's to the
-byte; the attention output moves less than the bound derived from the steps (course_lib.measure.quantized_kv);
+byte; the attention output moves less than the bound derived from the steps (course_lib.experiments.lecture06.kv_quantization_error);
 a constant key channel, which attention ignores, costs per-token keys their accuracy and per-channel keys
 nothing; our cache configured as transformers' holds the same bytes and gives the same logits.
 """
@@ -16,6 +16,7 @@ from model_minis import MLA_MINI
 
 from course_lib.cost.memory import kv_window_tokens, quantized_kv_bytes_per_token, quantized_kv_cache_bytes
 from course_lib.data import MarkovLanguage
+from course_lib.experiments.lecture06 import kv_quantization_error, quanto_side_by_side
 from course_lib.inference.cache import ContiguousCache
 from course_lib.inference.cachegen import cachegen_compress, cachegen_decompress, cachegen_error_bound
 from course_lib.inference.generate import generate
@@ -28,7 +29,6 @@ from course_lib.inference.quantized_cache import (
     quantize,
     unpack_codes,
 )
-from course_lib.measure import quantized_kv as measure
 from course_lib.model.configs import get
 from course_lib.model.transformer import Transformer
 
@@ -58,7 +58,7 @@ def small():
 
 @pytest.fixture(scope="module")
 def small_qkv(small):
-    return measure.record_qkv(small, MarkovLanguage().sample(96, seed=5)[None])
+    return kv_quantization_error.record_qkv(small, MarkovLanguage().sample(96, seed=5)[None])
 
 
 # ---------------------------------------------------------------------------------------------------- quantization
@@ -200,10 +200,12 @@ def test_bytes_per_token_of_kivi_settings():
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("residual", [0, 32])
 def test_attention_output_within_the_derived_bound(small_qkv, bits, residual):
-    """|ô − o| ≤ max δv + (e^{2ε} − 1)·range(v)/2 with ε = max_j Σ|q|·δk/√d (course_lib.measure.quantized_kv):
+    """|ô − o| ≤ max δv + (e^{2ε} − 1)·range(v)/2 with ε = max_j Σ|q|·δk/√d (course_lib.experiments.lecture06.kv_quantization_error):
     a rigorous bound per output element, checked at every decode step of every layer of the course model."""
     for layer, (q, k, v) in enumerate(small_qkv):
-        r = measure.decode_attention_error(q, k, v, prompt_len=16, bits=bits, group_size=32, residual=residual)
+        r = kv_quantization_error.decode_attention_error(
+            q, k, v, prompt_len=16, bits=bits, group_size=32, residual=residual
+        )
         over = r["error"] - r["bound"] * (1 + 1e-4) - ROUNDING * r["bound"].amax()
         assert (over <= 0).all(), (
             f"layer {layer}, INT{bits}, residual {residual}: attention moved {r['error'].max():.3g}, more than the "
@@ -217,8 +219,8 @@ def test_logit_error_scales_with_the_step(small):
     times as far as INT8's. Measured: 16.6 (no window) and 18.2 (window of 32); the test allows a factor 2 either way."""
     tokens = MarkovLanguage().sample(96, seed=5)[None]
     for residual in (0, 32):
-        e8 = measure.logit_error(small, tokens, 16, bits=8, group_size=32, residual=residual)["max_abs"]
-        e4 = measure.logit_error(small, tokens, 16, bits=4, group_size=32, residual=residual)["max_abs"]
+        e8 = kv_quantization_error.logit_error(small, tokens, 16, bits=8, group_size=32, residual=residual)["max_abs"]
+        e4 = kv_quantization_error.logit_error(small, tokens, 16, bits=4, group_size=32, residual=residual)["max_abs"]
         assert 17 / 2 < e4 / e8 < 17 * 2, f"INT4/INT8 logit error {e4 / e8:.1f}, expected ~17 (residual {residual})"
 
 
@@ -229,12 +231,12 @@ def test_int8_greedy_tokens_equal_full_precision(small, residual):
     prompt = MarkovLanguage().sample(40, seed=1)[None]
     full = generate(small, prompt, 40, ContiguousCache(1, 80))
     got = generate(small, prompt, 40, QuantizedCache(1, 80, bits=8, group_size=32, residual=residual))
-    err = measure.logit_error(small, full[:, :-1], 40, bits=8, group_size=32, residual=residual)
+    err = kv_quantization_error.logit_error(small, full[:, :-1], 40, bits=8, group_size=32, residual=residual)
     assert err["min_margin"] > 2 * err["max_abs"], "a near-tie on this trajectory: the comparison would prove nothing"
     assert torch.equal(got, full), f"INT8 (residual {residual}) changed greedy tokens: {got[0, 40:]} vs {full[0, 40:]}"
     # INT4: an argmax may change, but only where the full-precision top two are closer than twice the logit error
-    reference = measure.decode_logits(small, full[:, :-1], 40, ContiguousCache(1, 80))
-    int4 = measure.decode_logits(small, full[:, :-1], 40, QuantizedCache(1, 80, 4, 32, residual))
+    reference = kv_quantization_error.decode_logits(small, full[:, :-1], 40, ContiguousCache(1, 80))
+    int4 = kv_quantization_error.decode_logits(small, full[:, :-1], 40, QuantizedCache(1, 80, 4, 32, residual))
     top2 = reference.topk(2, dim=-1).values
     flipped = int4.argmax(-1) != reference.argmax(-1)
     assert (top2[..., 0] - top2[..., 1])[flipped].le(2 * (int4 - reference).abs().max()).all()
@@ -244,9 +246,9 @@ def test_per_channel_keys_absorb_an_outlier_channel(small_qkv):
     """A key channel that is the same large number for every token changes no attention weight (softmax ignores a
     score offset shared by all keys) but, per token, it sets every group's step: the other channels lose their
     resolution. Per channel (KIVI), the offset goes into the channel's zero point and nothing else changes."""
-    plain = measure.compare_key_modes(small_qkv, bits=4, group_size=32)
+    plain = kv_quantization_error.compare_key_modes(small_qkv, bits=4, group_size=32)
     outlier = [(q, k + 4 * k.abs().amax() * torch.eye(k.shape[-1])[7], v) for q, k, v in small_qkv]
-    shifted = measure.compare_key_modes(outlier, bits=4, group_size=32)
+    shifted = kv_quantization_error.compare_key_modes(outlier, bits=4, group_size=32)
     for layer in range(len(small_qkv)):
         per_channel = shifted["per_channel"]["attention_error"][layer]
         per_token = shifted["per_token"]["attention_error"][layer]
@@ -266,7 +268,7 @@ def test_cachegen_beats_plain_quantization_on_smooth_data(coder):
     bound (half the delta's step, half the anchor's)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 2, 128, 32, generator=g).cumsum(2) * 0.05 + torch.randn(1, 2, 1, 32, generator=g)
-    sizes = measure.cachegen_sizes(x, bits=4, tokens_per_group=16, group_size=32, coder=coder)
+    sizes = kv_quantization_error.cachegen_sizes(x, bits=4, tokens_per_group=16, group_size=32, coder=coder)
     assert sizes["cachegen"] < sizes["quantized"] < sizes["raw"], sizes
     c = cachegen_compress(x, 4, 16, coder)
     x_hat = cachegen_decompress(c)
@@ -281,7 +283,7 @@ def test_transformers_quanto_cache_side_by_side(small, tmp_path):
     keys per token and no window quantizes the same tokens the same way: same bytes, same logits. Ours in KIVI's
     configuration keeps the newest 32-63 tokens in full precision: more bytes, smaller error."""
     prompt = MarkovLanguage().sample(64, seed=3)[None]
-    r = measure.hf_side_by_side(small, prompt, 24, tmp_path / "hf", nbits=4, group_size=32, residual=32)
+    r = quanto_side_by_side.hf_side_by_side(small, prompt, 24, tmp_path / "hf", nbits=4, group_size=32, residual=32)
     assert torch.equal(r["tokens"]["hf_full"], r["tokens"]["full"]), "the exported model must generate our tokens"
     assert r["hf_full_vs_full"] < 1e-4
     assert r["bytes"]["as_hf"] == r["bytes"]["hf"], (

@@ -21,8 +21,13 @@ from course_lib.cost.activations import (
     recompute_peak_bytes,
     recompute_terms,
 )
-from course_lib.measure.activations import LiveTensorMeter
-from course_lib.measure.recompute import build, measure_memory_budget, measure_recompute, model_vs_measurement
+from course_lib.experiments.lecture06.recompute_memory import (
+    build,
+    measure_memory_budget,
+    measure_recompute,
+    model_vs_measurement,
+)
+from course_lib.measure.live_tensors import LiveTensorMeter
 from course_lib.model import configs
 from course_lib.model.recompute import POLICIES, set_recompute
 from course_lib.plots.recompute import memory_budget, recompute_memory

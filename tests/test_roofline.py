@@ -1,5 +1,5 @@
 """course_lib.cost.roofline against hand-computed formulas and the FLOP formulas of cost.flops, and
-course_lib.measure.roofline's measured CPU roofline against the roofline model itself."""
+course_lib.measure.cpu_roofline's measured CPU roofline against the roofline model itself."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from course_lib.cost import flops, hardware, roofline
-from course_lib.measure import roofline as measure_roofline
+from course_lib.measure import cpu_roofline
 from course_lib.model import configs
 
 MOE_TINY = dict(n_routed_experts=8, n_activated_experts=2, n_shared_experts=1, moe_d_ff=32, first_k_dense=1)
@@ -146,7 +146,7 @@ def cpu():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return measure_roofline.measure_cpu_roofline()
+        return cpu_roofline.measure_cpu_roofline()
     finally:
         torch.set_num_threads(threads)
 

@@ -12,7 +12,7 @@ from test_tensor_parallel import CFG, RTOL, dense_model, max_rel_diff  # one mod
 
 from course_lib.cost.collective_bytes import ring_wire_bytes
 from course_lib.dist import Mesh, device, launch
-from course_lib.measure.tensor_parallel import collectives_per_layer
+from course_lib.experiments.lecture02.tp_collectives import collectives_per_layer
 from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.tensor.comms import all_gather_sequence, reduce_scatter_sequence

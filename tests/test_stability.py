@@ -1,7 +1,7 @@
 """Stability tools (course_lib.optim.lr_schedules, course_lib.optim.stability) and the spike harness
-(course_lib.measure.stability): the arithmetic against its formula, then the spike and its remedies.
+(course_lib.experiments.lecture08.spike_remedies): the arithmetic against its formula, then the spike and its remedies.
 
-The harness's numbers (seed 1, docstring of course_lib.measure.stability): baseline largest rise 7.8
+The harness's numbers (seed 1, docstring of course_lib.experiments.lecture08.spike_remedies): baseline largest rise 7.8
 nats, last-20 mean 2.09; every taming remedy a rise <= 0.29 and an end <= 1.25 (floor 1.215). The
 spike happens in the first four steps, before rounding differences between CPUs can grow: a 1e-3
 relative perturbation of every initial weight moves these numbers by at most 0.15. The thresholds
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.dist import device, launch
-from course_lib.measure import stability as harness
+from course_lib.experiments.lecture08 import spike_remedies
 from course_lib.optim.lr_schedules import warmup_cosine, warmup_cosine_lambda
 from course_lib.optim.stability import SpikeGuard, clip_grad_norm_, global_grad_norm, logit_z_loss
 
@@ -150,7 +150,7 @@ TAMING = ("clip 1.0", "warm-up + cosine", "standard init")
 
 @pytest.fixture(scope="module")
 def runs():
-    return harness.spike_and_remedies()
+    return spike_remedies.spike_and_remedies()
 
 
 def test_the_baseline_spikes_and_is_left_on_a_plateau(runs):
@@ -158,38 +158,38 @@ def test_the_baseline_spikes_and_is_left_on_a_plateau(runs):
     assert base["diverged"] or max(base["loss"][1:]) > base["loss"][0], (
         "the baseline must climb above its initial loss after the first step (measured 11.96 > 8.36)"
     )
-    assert harness.largest_rise(base["loss"]) > 3.0, "measured rise 7.8 nats; a healthy curve rises < 0.5"
-    assert harness.final_loss(base) > 1.8, "measured 2.09: the damaged run stays far above the floor 1.215"
+    assert spike_remedies.largest_rise(base["loss"]) > 3.0, "measured rise 7.8 nats; a healthy curve rises < 0.5"
+    assert spike_remedies.final_loss(base) > 1.8, "measured 2.09: the damaged run stays far above the floor 1.215"
 
 
 @pytest.mark.parametrize("remedy", TAMING)
 def test_each_remedy_alone_tames_the_spike(runs, remedy):
     run, base = runs[remedy], runs["baseline"]
     assert not run["diverged"], f"{remedy}: the run must stay finite"
-    rise = harness.largest_rise(run["loss"])
+    rise = spike_remedies.largest_rise(run["loss"])
     assert rise < 0.75, f"{remedy}: the loss rose {rise:.2f} nats above its best (measured <= 0.29: batch noise)"
-    end = harness.final_loss(run)
+    end = spike_remedies.final_loss(run)
     assert end < 1.4, f"{remedy}: last-20 mean {end:.3f}, measured <= 1.25 against the floor 1.215"
-    assert end < harness.final_loss(base) - 0.5, f"{remedy} must end well below the baseline (gap measured 0.84)"
+    assert end < spike_remedies.final_loss(base) - 0.5, f"{remedy} must end well below the baseline (gap measured 0.84)"
 
 
 def test_the_remedies_do_what_they_say(runs):
     clipped, warm = runs["clip 1.0"], runs["warm-up + cosine"]
     assert max(clipped["grad_norm"]) > 10, "the clipped run still sees large raw gradients (measured ~50 at step 0)"
-    lr = harness.BASELINE.lr
-    expected = [lr * warmup_cosine(s, 60, harness.STEPS) for s in range(harness.STEPS)]
+    lr = spike_remedies.BASELINE.lr
+    expected = [lr * warmup_cosine(s, 60, spike_remedies.STEPS) for s in range(spike_remedies.STEPS)]
     assert warm["lr"] == pytest.approx(expected), "the warm-up run follows warm-up + cosine"
-    assert runs["baseline"]["lr"] == [lr] * harness.STEPS, "the baseline keeps a constant rate"
+    assert runs["baseline"]["lr"] == [lr] * spike_remedies.STEPS, "the baseline keeps a constant rate"
 
 
 def test_z_loss_at_palms_coefficient_does_not_tame_this_spike(runs):
     # What the lecture reports: z-loss holds the *level* of the logits; this spike comes from their
     # spread (an output layer 20x too large). The early steps match the baseline's: rise measured 7.8.
-    assert harness.largest_rise(runs["z-loss 1e-4"]["loss"]) > 3.0
+    assert spike_remedies.largest_rise(runs["z-loss 1e-4"]["loss"]) > 3.0
 
 
 def test_z_loss_pulls_log_z_to_zero_at_no_cost_in_cross_entropy():
-    runs = harness.logit_level_runs(coefficients=(0.0, 1e-2))
+    runs = spike_remedies.logit_level_runs(coefficients=(0.0, 1e-2))
     last = {c: (statistics.fmean(r["loss"][-20:]), statistics.fmean(r["log_z"][-20:])) for c, r in runs.items()}
     assert last[0.0][1] > 4.0, "without z-loss log Z sits far from 0 (measured 6.44)"
     assert abs(last[1e-2][1]) < 1.0, "with z-loss 1e-2 log Z is pulled to ~0 (measured 0.20)"
@@ -198,6 +198,6 @@ def test_z_loss_pulls_log_z_to_zero_at_no_cost_in_cross_entropy():
 
 
 def test_largest_rise_and_final_loss_read_a_curve():
-    assert harness.largest_rise([5.0, 3.0, 4.5, 2.0, 2.5]) == 1.5
-    assert harness.largest_rise([3.0, float("nan")]) == math.inf
-    assert harness.final_loss({"loss": [1.0] * 30, "diverged": True}) == math.inf
+    assert spike_remedies.largest_rise([5.0, 3.0, 4.5, 2.0, 2.5]) == 1.5
+    assert spike_remedies.largest_rise([3.0, float("nan")]) == math.inf
+    assert spike_remedies.final_loss({"loss": [1.0] * 30, "diverged": True}) == math.inf

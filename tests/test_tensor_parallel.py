@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from course_lib.data import MarkovLanguage, make_dataset
 from course_lib.dist import Mesh, counter, device, launch
-from course_lib.measure.tensor_parallel import versus_megatron_core
+from course_lib.experiments.lecture02.tp_collectives import versus_megatron_core
 from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.tensor.model import TPMLP, TPBlock, TPTransformer

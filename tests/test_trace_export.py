@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from course_lib.dist import chrome_trace, device, launch, trace
-from course_lib.measure.ddp import trace_step
-from course_lib.measure.pipeline import measured_bubble
+from course_lib.experiments.lecture02.ddp_trace import trace_step
+from course_lib.experiments.lecture03.pipeline_runs import measured_bubble
 
 
 def _ring_and_reduce(rounds: int):

@@ -17,7 +17,7 @@ should teach (lecture 08). Reading order:
 * :mod:`~course_lib.checkpoint.quantized`   — int8 blockwise-absmax copies of the fp32 state.
 
 The byte counts are formulas in :mod:`course_lib.cost.checkpoint`, with the optimal checkpoint
-interval (Young 1974, Daly 2006); :mod:`course_lib.measure.checkpoint` runs, kills, resumes and
+interval (Young 1974, Daly 2006); :mod:`course_lib.experiments.lecture08.checkpoint_runs` runs, kills, resumes and
 reshards training for the lecture and the tests.
 
     state = {**zero_state_dict(zero), **resume.state_dict(train)}

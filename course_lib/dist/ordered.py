@@ -4,7 +4,7 @@ Floating-point addition is not associative, and a collective library chooses the
 for speed: gloo's ring starts each chunk of the buffer at a different rank, NCCL picks ring or tree
 by message size and topology, so the same contributions can sum to different bits depending on
 the algorithm, the world size or an element's position in the buffer (lecture 08 measures it;
-:func:`course_lib.measure.reproducibility.allreduce_orders` shows the orders). Deterministic
+:func:`course_lib.experiments.lecture08.reproducibility.allreduce_orders` shows the orders). Deterministic
 training needs the order fixed. The plain way: gather every rank's tensor and add them in rank
 order, as a single process accumulating micro-batch 0, 1, ... would.
 

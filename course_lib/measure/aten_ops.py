@@ -2,9 +2,9 @@
 
 A port of a training stack to a new accelerator (Ascend, MLU, DCU, ...) starts with *operator
 coverage*: the device's PyTorch plugin must provide a kernel for every operator the step reaches,
-or fall back to the CPU (slowly) or fail. The seed 004's chapter 7 orders the work as operator
-coverage → compilation → distributed communication → cluster operations; this module answers the
-first question for the course model:
+or fall back to the CPU (slowly) or fail. The rest of a port follows in order (lecture 07 walks
+it): operator coverage → compilation → distributed communication → cluster operations; this module
+answers the first question for the course model:
 
     python -m course_lib.measure.aten_ops                      # the tiny model's step
     python -m course_lib.measure.aten_ops --compare deepseek-v3-mini   # and what an MoE/MLA model adds
@@ -29,6 +29,8 @@ The list depends on the device as well as the model: scaled-dot-product attentio
 device (``aten._scaled_dot_product_flash_attention_for_cpu`` here, a CUDA flash or memory-efficient
 kernel on a GPU, the math fallback's ``bmm`` + ``_safe_softmax`` when a mask is given), so a port
 reruns this on the target to see what its own plugin chose.
+
+Tested in tests/test_aten_ops.py.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ An observer of :func:`course_lib.parallel.pipeline.executor.run_step`: the execu
 :meth:`StageActivationMeter.forward` around each forward F and calls :meth:`~StageActivationMeter.freed`
 when B (or W, for a backward split into I and W: Qi et al. 2023, *Zero Bubble Pipeline
 Parallelism*, §2) drops that micro-batch's activations. Saved storages are counted by identity
-(:class:`course_lib.measure.activations.SavedTensorMeter`), leaving out the rank's weights, buffers
+(:class:`course_lib.measure.saved_tensors.SavedTensorMeter`), leaving out the rank's weights, buffers
 and RoPE tables, which are not activations.
 
     meter = StageActivationMeter(mine)
@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 import torch.nn as nn
 
-from course_lib.measure.activations import SavedTensorMeter
+from course_lib.measure.saved_tensors import SavedTensorMeter
 
 
 class StageActivationMeter:

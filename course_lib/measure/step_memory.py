@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from course_lib.dist import census
-from course_lib.measure.activations import SavedTensorMeter
+from course_lib.measure.saved_tensors import SavedTensorMeter
 
 PHASES = ("start", "after forward", "after backward", "after optimizer step", "after zero_grad")
 KINDS = ("parameters", "gradients", "optimizer state", "activations")

@@ -5,7 +5,7 @@
     memory_budget({1.0: b1, 0.5: b2, 0.0: b3}, references={"eager none": b, ...})
                                                     bytes saved against torch.compile's memory budget
 
-``rows`` are dicts with the keys of :func:`course_lib.measure.recompute.model_vs_measurement`
+``rows`` are dicts with the keys of :func:`course_lib.experiments.lecture06.recompute_memory.model_vs_measurement`
 ("policy", "model_saved", "measured_saved", "model_peak", "measured_peak"). Same conventions as
 :mod:`course_lib.plots`: each function draws on ``ax`` (a new figure when it is None), returns the
 ``Axes`` and never calls ``plt.show()``.

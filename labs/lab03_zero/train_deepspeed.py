@@ -15,7 +15,7 @@ communication op (about a minute); later starts reuse the build.
 Both sides run on the course's device and backend (``course_lib.dist.device()`` and ``backend()``:
 CPU ranks over gloo, or one GPU per rank over NCCL), and DeepSpeed is told the same: ``DS_ACCELERATOR``
 is the course device's type (:func:`use_course_device`; the rule is stated in
-``course_lib/measure/frameworks.py``). Left to itself, DeepSpeed picks CUDA whenever a GPU is present and
+``course_lib/experiments/third_party.py``). Left to itself, DeepSpeed picks CUDA whenever a GPU is present and
 puts rank r on cuda:r, even where the course's ranks stay on the CPU (4 ranks on a 1-GPU machine).
 
 The functions ``train_course`` and ``train_deepspeed`` run inside an initialised process group
@@ -52,7 +52,7 @@ def load_config(stage: int) -> dict:
 
 def deepspeed_accelerator(on: torch.device) -> str:
     """DeepSpeed's name (``DS_ACCELERATOR``) for the course's device: its type, "cpu" only when the course's
-    ranks compute on the CPU. The same rule as course_lib.measure.frameworks.framework_devices."""
+    ranks compute on the CPU. The same rule as course_lib.experiments.third_party.framework_devices."""
     return torch.device(on).type
 
 

@@ -1,0 +1,1 @@
+"""Lecture 3's runs: see the index in :mod:`course_lib.experiments`."""

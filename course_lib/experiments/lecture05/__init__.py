@@ -1,0 +1,1 @@
+"""Lecture 5's runs: see the index in :mod:`course_lib.experiments`."""

@@ -1,0 +1,1 @@
+"""Lecture 7's runs: see the index in :mod:`course_lib.experiments`."""

@@ -1,0 +1,1 @@
+"""Lecture 9's runs: see the index in :mod:`course_lib.experiments`."""
