@@ -105,7 +105,7 @@ def test_forward_equals_dequantized_base_plus_adapter(pretrained):
         f"QLoRA logits differ from (dequantized base + adapter) by {(ours - theirs).abs().max():.2e}: NF4Linear "
         "must multiply by exactly dequantize_nf4 of its stored tensor, double-quantized constants included"
     )
-    assert torch.equal(ours, harness), "measure.qlora.dequantized_copy is not the model QLoRA computes"
+    assert torch.equal(ours, harness), "qlora_finetune.dequantized_copy is not the model QLoRA computes"
 
 
 def test_only_adapters_train_and_the_nf4_base_stays_bit_for_bit(finetuned):

@@ -88,7 +88,7 @@ def rooflines(
     with ``cost.roofline.Roofline.attainable``). ``kernels``: (label, intensity) pairs drawn as dotted
     verticals, numbered, with the numbers keyed in a box right of the axes: where a kernel sits on
     every device at once. ``measured``: (label, intensity, FLOP/s)
-    points, e.g. the kernels timed by ``measure.roofline``. ``unit`` scales the y-axis.
+    points, e.g. the kernels timed by ``measure.cpu_roofline``. ``unit`` scales the y-axis.
     """
     if not curves:
         raise ValueError("rooflines needs at least one curve: {device: (intensities, attainable FLOP/s)}")

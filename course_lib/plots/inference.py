@@ -12,7 +12,9 @@ __all__ = ["decode_speed", "slots_over_time"]
 def decode_speed(contexts: Sequence[int], tokens_per_second: Mapping, ax=None, figsize=(6.4, 3.6)):
     """Decode tokens/s against context length, one line per cache (None is drawn as 'no cache')."""
     if not tokens_per_second:
-        raise ValueError("decode_speed needs {cache: [tokens/s per context]}, e.g. measure.decode.decode_speed's")
+        raise ValueError(
+            "decode_speed needs {cache: [tokens/s per context]}, e.g. experiments.lecture06.decode_speed.decode_speed's"
+        )
     ax = axes(ax, figsize)
     for cache, speeds in tokens_per_second.items():
         if len(speeds) != len(contexts):
