@@ -2,8 +2,8 @@
 
 A schedule (:mod:`course_lib.parallel.pipeline.schedules`) cuts the model into ``p·v`` stages on
 ``p`` ranks (``v`` stages per rank) and feeds ``m`` micro-batches through them (the symbols of
-Narayanan et al. 2021, *Efficient Large-Scale Language Model Training on GPU Clusters*, §2.2). Each
-action of a rank's list is one of these, and each has one handler below, to be read on its own:
+Narayanan et al. 2021, *Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM*, §2.2). Each action of a rank's list is one of these, with one handler below each:
 
     F       forward of micro-batch i on stage s: tokens on stage 0, the received (or local) hidden
             state elsewhere; the last stage computes the loss divided by m, so that the gradients
@@ -15,9 +15,12 @@ action of a rank's list is one of these, and each has one handler below, to be r
             weights (what nobody waits for). Here W runs autograd a second time from the stage's
             output, so its gradients are exact but it re-does part of I's work;
             torch.distributed.pipelining keeps I's intermediate gradients instead
-    SEND_F  stage s's output for stage s + 1 on another rank       } when each is posted, so that
-    SEND_B  stage s's input gradient for stage s - 1 on another rank} no backend deadlocks: one place,
-    RECV_*  wait until that message is here                        } :mod:`...pipeline.messages`
+    SEND_F  stage s's output, for stage s + 1 on another rank
+    SEND_B  the gradient of stage s's input, for stage s - 1 on another rank
+    RECV_*  wait until the message this rank's next compute needs is here
+
+When each send and receive is really posted, so that crossing sends deadlock on no backend, is
+decided in one place, :mod:`course_lib.parallel.pipeline.messages`, and explained there.
 
 Between stages on the same rank (the interleaved schedule's chunks, the tip of DualPipeV's V) the
 tensor is handed over in memory, through the same inbox the received messages land in. A stage's
