@@ -1,5 +1,7 @@
 """Activation memory per transformer layer: Korthikanti et al.'s model, adapted to the course model,
-and a measurement of what autograd actually keeps for the backward pass.
+and what each recomputation policy keeps and costs. What autograd actually keeps is measured by
+:class:`course_lib.measure.saved_tensors.SavedTensorMeter`; tests/test_activation_memory.py sets the two
+side by side.
 
 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", §4) count
 the bytes a GPT layer stores for backward, with 16-bit activations, 1-byte dropout masks, LayerNorm
@@ -14,7 +16,7 @@ The 5as/h term is the a·s×s attention matrix (softmax output, dropout mask and
 The course model (``course_lib.model.transformer.Block``) differs: RMSNorm, rotary embeddings, grouped-query
 attention, SwiGLU, no dropout, fp32 on CPU, and ``F.scaled_dot_product_attention``, which on CPU
 runs a FlashAttention-style kernel that keeps only a log-sum-exp per row, never the s×s matrix.
-Reading what each operation saves (``torch.autograd.graph.saved_tensors_hooks``, below), with
+Reading what each operation saves (``torch.autograd.graph.saved_tensors_hooks``, as the meter does), with
 d = d_model, q = n_heads·head_dim, f = d_ff, a = n_heads, in elements:
 
     each RMSNorm: its input (for x²), the rsqrt statistic [b, s, 1], the normalised x·rsqrt
@@ -182,7 +184,7 @@ def _check_recompute_args(cfg: ModelConfig, policies) -> list[str]:
         raise NotImplementedError(
             "the recomputation counts read the course's dense GQA block (course_lib.model.transformer.Block with "
             "Attention and MLP); this config has MLA, MoE, an output gate, sliding or linear layers. Measure it with "
-            "course_lib.measure.recompute.measure_recompute instead"
+            "course_lib.experiments.lecture06.recompute_memory.measure_recompute instead"
         )
     return policies
 
@@ -241,7 +243,7 @@ def recompute_peak_bytes(
     :func:`course_lib.model.recompute.set_recompute` can set them). Returns the terms of
     peak = Σ_{i<L−1} K_i + E + W + U (module doc), and ``"saved"`` = Σ K_i, ``"peak"``.
 
-    Counted as the measurement counts (:func:`course_lib.measure.recompute.measure_recompute`): the
+    Counted as the measurement counts (:func:`course_lib.experiments.lecture06.recompute_memory.measure_recompute`): the
     tensors that the blocks' ops create, so each block's input belongs to the block below (the
     first block's to whoever made it) and the last block's output is counted. Parameter gradients,
     the incoming gradient and a kernel's internal scratch are not activations and are left out.
@@ -337,7 +339,7 @@ def sdpa_saved_statistics(
         return {"log-sum-exp": b * a * s * fp32, "RNG state (seed pair, offset)": 3 * int64}
     raise ValueError(
         f"no model of what SDPA's {attention!r} kernel saves on {device_type!r} (known: cpu, cuda, meta): measure "
-        "it with course_lib.measure.activations.SavedTensorMeter around F.scaled_dot_product_attention, then add it here"
+        "it with course_lib.measure.saved_tensors.SavedTensorMeter around F.scaled_dot_product_attention, then add it here"
     )
 
 

@@ -151,24 +151,25 @@ def ulysses_comm_bytes(
     }
 
 
-def check_ulysses_divisible(n_heads: int, n_kv_heads: int, degree: int, seq_len: int | None = None) -> None:
-    """Raise a ValueError naming the constraint Ulysses needs and how to meet it."""
+def check_ulysses_divisible(n_heads: int, n_kv_heads: int, cp_size: int, seq_len: int | None = None) -> None:
+    """Raise a ValueError naming the constraint Ulysses needs and how to meet it: the degree ``cp_size``
+    divides the query heads, the K/V heads and (when given) the sequence length (Jacobs et al. 2023, §3)."""
     divisors = lambda x: [i for i in range(1, x + 1) if x % i == 0]
-    if n_heads % degree:
+    if n_heads % cp_size:
         raise ValueError(
-            f"Ulysses degree {degree} does not divide {n_heads} query heads: after the all-to-all each rank "
+            f"Ulysses degree {cp_size} does not divide {n_heads} query heads: after the all-to-all each rank "
             f"attends with whole heads; choose a degree among {divisors(n_heads)}, or add ring attention for the rest"
         )
-    if n_kv_heads % degree:
+    if n_kv_heads % cp_size:
         raise ValueError(
-            f"Ulysses degree {degree} does not divide {n_kv_heads} key/value heads (grouped-query attention): "
+            f"Ulysses degree {cp_size} does not divide {n_kv_heads} key/value heads (grouped-query attention): "
             f"each rank needs whole K/V heads for its query heads; choose a degree among {divisors(n_kv_heads)}, "
-            f"or repeat the K/V heads (k.repeat_interleave) up to a multiple of {degree}, which costs all-to-all bytes"
+            f"or repeat the K/V heads (k.repeat_interleave) up to a multiple of {cp_size}, which costs all-to-all bytes"
         )
-    if seq_len is not None and seq_len % degree:
+    if seq_len is not None and seq_len % cp_size:
         raise ValueError(
-            f"sequence length {seq_len} is not divisible by the Ulysses degree {degree}: every rank must hold "
-            f"s/N tokens; pad the sequence to a multiple of {degree}"
+            f"sequence length {seq_len} is not divisible by the Ulysses degree {cp_size}: every rank must hold "
+            f"s/N tokens; pad the sequence to a multiple of {cp_size}"
         )
 
 

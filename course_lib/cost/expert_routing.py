@@ -31,7 +31,7 @@ def expected_distinct_nodes(n_experts: int, n_nodes: int, top_k: int, node_limit
     allowed nodes, M · (1 − C((M−1)·E/n, k) / C(M·E/n, k)), as if the k experts were uniform among
     their M·E/n experts. DeepSeek's rule picks the M nodes *for* their strongest experts, so each
     chosen node almost always receives one: the measured mean lies between this value and M (3.63 and
-    4 for M = 4; measured ≈ 3.97: :func:`course_lib.measure.collectives.route_distinct_nodes`), and
+    4 for M = 4; measured ≈ 3.97: :func:`course_lib.experiments.lecture07.node_routing.route_distinct_nodes`), and
     never above M, which is the bound that matters.
     """
     if n_experts % n_nodes or not 0 < top_k <= n_experts:

@@ -9,7 +9,7 @@
   on the accelerators of :mod:`course_lib.cost.hardware`, is :mod:`course_lib.cost.roofline`.
 
 A FLOP here is one floating-point addition or multiplication, so a multiply-add counts 2, as in the
-papers and in ``torch.utils.flop_counter.FlopCounterMode``. :mod:`course_lib.measure.flops` counts
+papers and in ``torch.utils.flop_counter.FlopCounterMode``. :mod:`course_lib.measure.flop_counter` counts
 and times what these predict; tests/test_flops.py sets them side by side.
 """
 

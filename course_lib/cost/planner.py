@@ -196,26 +196,26 @@ def reasons(cfg: ModelConfig, cluster: Cluster, layout: Layout, global_batch: in
     return out
 
 
-def _stage_params(cfg: ModelConfig, pp: int, tp: int, ep: int) -> tuple[float, float, int]:
+def _stage_params(cfg: ModelConfig, pp_size: int, tp_size: int, ep_size: int) -> tuple[float, float, int]:
     """(dense parameters per device, expert parameters per device, layers) on the busiest stage."""
     best = (0.0, 0.0, 0)
-    for s in range(pp):
-        layers = range(s * cfg.n_layers // pp, (s + 1) * cfg.n_layers // pp)
+    for s in range(pp_size):
+        layers = range(s * cfg.n_layers // pp_size, (s + 1) * cfg.n_layers // pp_size)
         dense = expert = 0.0
         for i in layers:
             total = cfg.layer_params(i)
             routed = 3 * cfg.d_model * cfg.moe_d_ff * cfg.n_routed_experts if cfg.is_moe_layer(i) else 0
-            dense, expert = dense + (total - routed) / tp, expert + routed / ep
+            dense, expert = dense + (total - routed) / tp_size, expert + routed / ep_size
         if s == 0 and not cfg.tie_embeddings:
-            dense += cfg.vocab_size * cfg.d_model / tp
-        if s == pp - 1:
-            dense += (cfg.vocab_size * cfg.d_model + cfg.d_model) / tp
+            dense += cfg.vocab_size * cfg.d_model / tp_size
+        if s == pp_size - 1:
+            dense += (cfg.vocab_size * cfg.d_model + cfg.d_model) / tp_size
         if dense + expert > sum(best[:2]):
             best = (dense, expert, len(layers))
     return best
 
 
-def stage_imbalance(cfg: ModelConfig, pp: int) -> float:
+def stage_imbalance(cfg: ModelConfig, pp_size: int) -> float:
     """The busiest stage's matmul parameters over the average stage's (1.0: perfectly balanced).
 
     A pipeline runs at the pace of its slowest stage. Blocks are shared out evenly, so the output
@@ -223,12 +223,13 @@ def stage_imbalance(cfg: ModelConfig, pp: int) -> float:
     Llama 3 moved a block off its first and last stages for this reason (Dubey et al. 2024, §3.3.2).
     """
     stages = []
-    for s in range(pp):
+    for s in range(pp_size):
         work = sum(
-            cfg.layer_params(i, active=True) for i in range(s * cfg.n_layers // pp, (s + 1) * cfg.n_layers // pp)
+            cfg.layer_params(i, active=True)
+            for i in range(s * cfg.n_layers // pp_size, (s + 1) * cfg.n_layers // pp_size)
         )
-        stages.append(work + (cfg.vocab_size * cfg.d_model if s == pp - 1 else 0))
-    return max(stages) * pp / sum(stages)
+        stages.append(work + (cfg.vocab_size * cfg.d_model if s == pp_size - 1 else 0))
+    return max(stages) * pp_size / sum(stages)
 
 
 def predict(

@@ -25,7 +25,7 @@ Decoding is the lesson: the DeepSeek-V3 hardware paper (Zhao et al., "Insights i
 notes that generating one token at a time turns the GEMMs of training into GEMVs, whose
 compute-to-memory ratio is so low that "GEMV quickly becomes limited by memory bandwidth". A GEMV
 of a bf16 weight matrix does 2 FLOPs per 2-byte weight it reads: 1 FLOP/byte, against ridge points
-of hundreds of FLOP/byte on the accelerators of the table. :mod:`course_lib.measure.roofline`
+of hundreds of FLOP/byte on the accelerators of the table. :mod:`course_lib.measure.cpu_roofline`
 measures this CPU's roofline and places the same kernels on it.
 """
 
