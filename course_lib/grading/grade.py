@@ -25,8 +25,9 @@ prefix) that defines three things:
   tasks this one relies on. A name starting ``Task N:`` (or ``Tasks 3+4``, ``Tasks 1-3``) says which
   tasks the row grades, for ``--task``.
 
-Each task runs in its own process with its own timeout, so a submission that hangs loses that
-task's points and grading goes on. Exit code 0 only on full marks.
+The checks run in a worker process apart from the grader, each under its own timeout
+(:mod:`course_lib.grading.runner`), so a submission that hangs or crashes loses that task's points and
+grading goes on. Exit code 0 only on full marks.
 
 Feedback says where: an exception raised in the learner's code names the innermost line of the
 learner's files it passed through; an ``assert`` the learner wrote is reported as theirs, not as the
@@ -50,9 +51,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from course_lib.dist import LaunchTimeout, RankError, launch
+from course_lib.dist import LaunchTimeout, RankError
 from course_lib.grading import labs
 from course_lib.grading.adapter import Adapter
+from course_lib.grading.runner import run_checks
 
 ROOT = Path(__file__).resolve().parents[2]
 NUMBERS = re.compile(r"^Tasks? ([0-9]+)(?:([-+])([0-9]+))?\b")
@@ -173,19 +175,15 @@ def _run_check(check: Callable[[Adapter], None], impl: Adapter) -> tuple[bool, s
         return False, _explain(text, impl), text
 
 
+def run_tasks(tasks: list[Task], impl: Adapter) -> list[Result]:
+    """Each task's result: their checks run in order in a worker process, each under its task's timeout."""
+    outcomes = run_checks([t.check for t in tasks], [t.timeout for t in tasks], impl, _run_check)
+    return [Result(task, *outcome) for task, outcome in zip(tasks, outcomes, strict=True)]
+
+
 def run_task(task: Task, impl: Adapter) -> Result:
-    """Run one task in a process of its own, bounded by the task's timeout."""
-    try:
-        passed, feedback, details = launch(_run_check, 1, task.check, impl, timeout=task.timeout)[0]
-    except LaunchTimeout as e:
-        passed, feedback, details = (
-            False,
-            f"timed out after {task.timeout:g} s: look for a send without a matching recv, or a loop that never ends",
-            str(e),
-        )
-    except RankError as e:
-        passed, feedback, details = False, f"the check crashed: {e.rank_traceback.strip().splitlines()[-1]}", str(e)
-    return Result(task, passed, feedback, details)
+    """One task's result, in a worker process of its own."""
+    return run_tasks([task], impl)[0]
 
 
 # ------------------------------------------------------------------------------------- grading a lab
@@ -239,7 +237,7 @@ def grade(lab: str, lab_dir: Path | None = None, solutions: bool = False, task: 
     module, full = grader(lab)
     lab_dir = Path(lab_dir) if lab_dir else ROOT / ("solutions" if solutions else "labs") / full
     impl = module.adapter(lab_dir)
-    results = [run_task(t, impl) for t in select(module.TASKS, task)]
+    results = run_tasks(select(module.TASKS, task), impl)
     blame_prerequisites(results, module.TASKS, impl)
     return results
 
