@@ -20,9 +20,19 @@ TOTALS = [
     ("deepseek-v3", 671 * B, 0.03, "DeepSeek-V3 Technical Report, abstract: 671B total parameters"),
     ("qwen2.5-72b", 72.7 * B, 0.03, "Qwen2.5-72B model card: 72.7B parameters"),
     ("llama-3.1-405b", 405 * B, 0.03, "Llama 3 Herd of Models, Table 3: 405B"),
-    ("gpt-oss-120b", 116.83 * B, 0.03, "gpt-oss model card Table 1: 116.83B total (OpenAI, Introducing gpt-oss: ~117B)"),
+    (
+        "gpt-oss-120b",
+        116.83 * B,
+        0.03,
+        "gpt-oss model card Table 1: 116.83B total (OpenAI, Introducing gpt-oss: ~117B)",
+    ),
     ("gpt-oss-20b", 20.91 * B, 0.03, "gpt-oss model card Table 1: 20.91B total (OpenAI, Introducing gpt-oss: ~21B)"),
-    ("qwen3-next-80b-a3b", 80 * B, 0.03, "Qwen3-Next model card: 80B in total (NVIDIA Developer Blog on Qwen3-Next: 80B)"),
+    (
+        "qwen3-next-80b-a3b",
+        80 * B,
+        0.03,
+        "Qwen3-Next model card: 80B in total (NVIDIA Developer Blog on Qwen3-Next: 80B)",
+    ),
 ]
 
 ACTIVE = [
