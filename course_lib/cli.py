@@ -1,6 +1,6 @@
 """The commands behind ./course (the set-up itself is in that script).
 
-./course lectures [--execute [--inplace]]   ./course test [pytest args]   ./course grade LAB [--solutions]
+./course lectures [--execute [--inplace]]   ./course test [--fast] [pytest args]   ./course grade LAB [--solutions]
 ./course gpu-check [--dry-run] [--plan] [--only NAMES]
 """
 
@@ -114,11 +114,16 @@ def portability(labs_only: bool = False) -> int:
 def test(extra: list[str]) -> int:
     """Unit tests, nbval on every lecture (outputs compared), and every lab's grader both ways.
 
-    tests/conftest.py points the temp folder of the suite and of every program it starts at
-    build/tmp/ and empties it at the end, so nothing is left behind (with plain pytest too).
+    ``--fast``: the contributor's loop — tests/ without the tests marked slow (pyproject.toml says what
+    they are) and without nbval. tests/conftest.py points the temp folder of the suite and of every
+    program it starts at build/tmp/ and empties it at the end, so nothing is left behind.
     """
-    cmd = nbval_command(*extra)
-    cmd.insert(3, "tests")
+    if "--fast" in extra:
+        rest = [a for a in extra if a != "--fast"]
+        cmd = [sys.executable, "-m", "pytest", "tests", "-m", "not slow", *rest]
+    else:
+        cmd = nbval_command(*extra)
+        cmd.insert(3, "tests")
     print(" ".join(cmd[2:]), flush=True)
     return subprocess.call(cmd, cwd=ROOT)
 
@@ -146,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, help="JupyterLab port")
     p.add_argument("--dir", type=Path, default=LECTURES, help="the notebook folder (default: lectures/)")
     p.add_argument("--build", type=Path, default=BUILD, help="where --execute writes HTML (default: build/lectures/)")
-    sub.add_parser("test", help="the whole test suite (pytest arguments pass through)")
+    sub.add_parser(
+        "test", help="the whole test suite; --fast: without the slow tests and nbval (pytest arguments pass through)"
+    )
     sub.add_parser("grade", help="grade a lab: LAB [--solutions]")
     p = sub.add_parser("portability", help="graders (--solutions) and nbval on every CPU of the matrix")
     p.add_argument("--labs-only", action="store_true", help="graders only, no nbval")
