@@ -1,6 +1,6 @@
 """The device mesh: which ranks talk to which, for each kind of parallelism.
 
-The world's ranks are laid out as a grid ``torch.arange(world).view(dp, pp, cp, tp)``: tensor
+The world's ranks are laid out as a grid ``torch.arange(world_size).view(dp, pp, cp, tp)``: tensor
 parallel innermost (its ranks are neighbours — on real machines, GPUs of one NVLink domain, since
 TP communicates most), then context parallel, then pipeline stages, data parallel outermost.
 A rank's coordinate along one axis is found with ``nonzero()``; its group along that axis is the
@@ -30,12 +30,12 @@ class Mesh:
         for name, size in {**sizes, "ep": ep}.items():
             if not isinstance(size, int) or size < 1:
                 raise ValueError(f"mesh size {name}={size!r} must be a positive integer")
-        world = world_size if world_size is not None else (dist.get_world_size() if dist.is_initialized() else 1)
+        world_size = world_size if world_size is not None else (dist.get_world_size() if dist.is_initialized() else 1)
         product = dp * pp * cp * tp
-        if product != world:
+        if product != world_size:
             raise ValueError(
-                f"mesh dp*pp*cp*tp = {dp}*{pp}*{cp}*{tp} = {product} does not equal the world size {world}: "
-                f"choose sizes whose product is {world}"
+                f"mesh dp*pp*cp*tp = {dp}*{pp}*{cp}*{tp} = {product} does not equal the world size {world_size}: "
+                f"choose sizes whose product is {world_size}"
             )
         if dp % ep != 0:
             raise ValueError(
@@ -43,32 +43,32 @@ class Mesh:
                 f"out of the data-parallel ranks, so choose ep among the divisors of {dp}"
             )
         self.sizes = {**sizes, "ep": ep}
-        self.world_size = world
-        self.grid = torch.arange(world).view(dp, pp, cp, tp)  # host: rank bookkeeping, read as Python ints
-        me = dist.get_rank() if dist.is_initialized() else 0
-        self.coords = {a: int(c) for a, c in zip(AXES, (self.grid == me).nonzero()[0])}
+        self.world_size = world_size
+        self.grid = torch.arange(world_size).view(dp, pp, cp, tp)  # host: rank bookkeeping, read as Python ints
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.coords = {a: int(c) for a, c in zip(AXES, (self.grid == rank).nonzero()[0])}
         self._groups: dict[str, object] = {}
         self._ranks: dict[str, list[int]] = {}
         if dist.is_initialized():
-            self._build_groups(me)
+            self._build_groups(rank)
 
     def lines(self, axis: str) -> list[list[int]]:
         """All the groups along one axis: the lines of the grid parallel to that axis."""
         if axis == "ep":
             # consecutive blocks of `ep` data-parallel ranks, for every (pp, cp, tp) position
             dp_lines = self.lines("dp")
-            ep = self.sizes["ep"]
-            return [line[i : i + ep] for line in dp_lines for i in range(0, len(line), ep)]
+            ep_size = self.sizes["ep"]
+            return [line[i : i + ep_size] for line in dp_lines for i in range(0, len(line), ep_size)]
         dim = AXES.index(axis)
         moved = self.grid.movedim(dim, -1).reshape(-1, self.grid.shape[dim])
         return [row.tolist() for row in moved]
 
-    def _build_groups(self, me: int) -> None:
+    def _build_groups(self, rank: int) -> None:
         # new_group is collective: every rank creates every group, in the same order.
         for axis in (*AXES, "ep"):
             for ranks in self.lines(axis):
                 group = dist.new_group(ranks)
-                if me in ranks:
+                if rank in ranks:
                     self._groups[axis], self._ranks[axis] = group, ranks
                     intercept.name_group(group, axis)
 

@@ -27,10 +27,10 @@ def all_reduce_in_rank_order(tensor: torch.Tensor, group=None) -> torch.Tensor:
 
     Every rank gets the same bits: each adds the same gathered tensors in the same order.
     """
-    world = dist.get_world_size(group)
-    if world == 1:
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
         return tensor
-    parts = [torch.empty_like(tensor) for _ in range(world)]
+    parts = [torch.empty_like(tensor) for _ in range(world_size)]
     dist.all_gather(parts, tensor.contiguous(), group=group)
     total = parts[0].clone()
     for part in parts[1:]:  # left to right: ((x0 + x1) + x2) + ...

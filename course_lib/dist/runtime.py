@@ -109,10 +109,10 @@ def choice(local_ranks: int | None = None) -> Choice:
     return decide(kind, count, ranks, os.environ.get("COURSE_BACKEND") or None)
 
 
-def describe(world: int | None = None, local_ranks: int | None = None) -> str:
+def describe(world_size: int | None = None, local_ranks: int | None = None) -> str:
     """One line for stderr: which backend and devices the ranks use, and why."""
     c = choice(local_ranks)
-    ranks = f"{world} rank{'s' if world != 1 else ''}: " if world is not None else ""
+    ranks = f"{world_size} rank{'s' if world_size != 1 else ''}: " if world_size is not None else ""
     where = "cpu" if c.device_type == "cpu" else f"{c.device_type}:<local rank>"
     return f"course_lib.dist: {ranks}backend {c.backend}, device {where} ({c.why})"
 

@@ -178,13 +178,13 @@ class Composed:
         x, y = self._my_rows(tokens), self._my_rows(targets)
         m = self.layout.m
         xs, ys = list(x.chunk(m)), list(y.chunk(m))
-        tp = self.mesh.group("tp")
+        tp_group = self.mesh.group("tp")
         result = executor.run_step(
             self.schedule,
             {self.mesh.rank("pp"): self.stage},
             xs,
             ys,
-            lambda logits, t: vocab_parallel_cross_entropy(logits, t, tp),
+            lambda logits, t: vocab_parallel_cross_entropy(logits, t, tp_group),
             (x.shape[0] // m, x.shape[1], self.cfg.d_model),
             group=self.mesh.group("pp"),
         )
@@ -221,7 +221,7 @@ class Composed:
         host (CPU copies): it is gathered as Python objects, and a pickled CUDA tensor would be
         unpickled onto the *sender's* GPU on every rank.
         """
-        tp = self.mesh.group("tp")
+        tp_group = self.mesh.group("tp")
         mine = {}
         names = dense_names(self.stage)
         for name, p in self.stage.named_parameters():
@@ -230,7 +230,7 @@ class Composed:
                 full = p.detach().clone()
             else:
                 parts = [torch.empty_like(p) for _ in range(self.layout.tp)]
-                dist.all_gather(parts, p.detach().contiguous(), group=tp)
+                dist.all_gather(parts, p.detach().contiguous(), group=tp_group)
                 full = torch.cat(parts, dim=dim)
             mine[names[name]] = full.cpu()  # host: pickled for all_gather_object (see the docstring)
         gathered: list = [None] * dist.get_world_size()

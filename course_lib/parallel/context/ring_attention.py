@@ -49,59 +49,59 @@ LAYOUTS = ("zigzag", "contiguous")
 # ------------------------------------------------------------------------------------- layout
 
 
-def zigzag_chunks(rank: int, world: int) -> tuple[int, int]:
+def zigzag_chunks(rank: int, cp_size: int) -> tuple[int, int]:
     """The two of the 2N sequence chunks that rank ``rank`` holds: (rank, 2N-1-rank)."""
-    return rank, 2 * world - 1 - rank
+    return rank, 2 * cp_size - 1 - rank
 
 
-def _check_seq(seq_len: int, world: int, layout: str) -> int:
+def _check_seq(seq_len: int, cp_size: int, layout: str) -> int:
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}: use one of {LAYOUTS}")
-    parts = 2 * world if layout == "zigzag" else world
+    parts = 2 * cp_size if layout == "zigzag" else cp_size
     if seq_len % parts:
         raise ValueError(
             f"sequence length {seq_len} is not divisible by {parts} = {'2 x ' if layout == 'zigzag' else ''}"
-            f"the context-parallel degree {world}: the {layout} layout cuts the sequence into {parts} equal "
+            f"the context-parallel degree {cp_size}: the {layout} layout cuts the sequence into {parts} equal "
             f"chunks; pad the sequence to a multiple of {parts} (or choose a degree whose "
             f"{'double ' if layout == 'zigzag' else ''}divides {seq_len})"
         )
     return seq_len // parts
 
 
-def positions(seq_len: int, rank: int, world: int, layout: str = "zigzag", device=None) -> torch.Tensor:
+def positions(seq_len: int, rank: int, cp_size: int, layout: str = "zigzag", device=None) -> torch.Tensor:
     """Global positions of the tokens rank ``rank`` holds, in its local order (RoPE needs them), on
     ``device`` (the default device when None; :func:`shard` asks for the sharded tensor's)."""
-    c = _check_seq(seq_len, world, layout)
+    c = _check_seq(seq_len, cp_size, layout)
     if layout == "contiguous":
         return torch.arange(rank * c, (rank + 1) * c, device=device)
-    a, b = zigzag_chunks(rank, world)
+    a, b = zigzag_chunks(rank, cp_size)
     return torch.cat([torch.arange(a * c, (a + 1) * c, device=device), torch.arange(b * c, (b + 1) * c, device=device)])
 
 
-def chunk_owners(world: int, layout: str = "zigzag") -> list[int]:
+def chunk_owners(cp_size: int, layout: str = "zigzag") -> list[int]:
     """Owner rank of each of the 2N sequence chunks (queries stay on their owner in ring attention).
 
     Read from :func:`positions` with one token per chunk: contiguous gives rank r chunks 2r and 2r+1,
     zigzag gives it chunks r and 2N-1-r.
     """
-    owners = [0] * (2 * world)
-    for rank in range(world):
-        for chunk in positions(2 * world, rank, world, layout).tolist():
+    owners = [0] * (2 * cp_size)
+    for rank in range(cp_size):
+        for chunk in positions(2 * cp_size, rank, cp_size, layout).tolist():
             owners[chunk] = rank
     return owners
 
 
-def shard(x: torch.Tensor, rank: int, world: int, layout: str = "zigzag", dim: int = -2) -> torch.Tensor:
+def shard(x: torch.Tensor, rank: int, cp_size: int, layout: str = "zigzag", dim: int = -2) -> torch.Tensor:
     """This rank's part of a full-sequence tensor (sequence along ``dim``)."""
-    return x.index_select(dim, positions(x.shape[dim], rank, world, layout, device=x.device))
+    return x.index_select(dim, positions(x.shape[dim], rank, cp_size, layout, device=x.device))
 
 
 def unshard(shards: list[torch.Tensor], layout: str = "zigzag", dim: int = -2) -> torch.Tensor:
     """The full sequence from every rank's shard, in rank order (the inverse of :func:`shard`)."""
-    world = len(shards)
-    seq_len = shards[0].shape[dim] * world
+    cp_size = len(shards)
+    seq_len = shards[0].shape[dim] * cp_size
     full = torch.cat(shards, dim=dim)
-    order = torch.cat([positions(seq_len, r, world, layout, device=full.device) for r in range(world)])
+    order = torch.cat([positions(seq_len, r, cp_size, layout, device=full.device) for r in range(cp_size)])
     return full.index_select(dim, torch.argsort(order))
 
 
@@ -165,7 +165,7 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
 # ------------------------------------------------------------------------------- the schedule
 
 
-def step_plan(rank: int, src: int, world: int, length: int, layout: str):
+def step_plan(rank: int, src: int, cp_size: int, length: int, layout: str):
     """Which local query rows meet which rows of rank ``src``'s K/V block, and whether causally.
 
     Returns (q_start, q_len, kv_start, kv_len, causal), or None when the whole block is masked.

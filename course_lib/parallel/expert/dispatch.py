@@ -49,9 +49,9 @@ class Dispatched:
     slot: torch.Tensor  # [S] which of the token's k choices it was
 
 
-def owner(expert: torch.Tensor, n_experts: int, ep: int) -> torch.Tensor:
+def owner(expert: torch.Tensor, n_experts: int, ep_size: int) -> torch.Tensor:
     """The rank holding each expert: experts are dealt out in contiguous blocks of E/ep."""
-    return expert // (n_experts // ep)
+    return expert // (n_experts // ep_size)
 
 
 def dispatch(
@@ -59,14 +59,16 @@ def dispatch(
 ) -> Dispatched:
     """Send each kept assignment's token row to the rank of its expert (x [T, d]); ``fp8``: as float8
     e4m3 with an fp32 scale per ``min(fp8_block, d)`` channels (:class:`FP8AllToAll`)."""
-    ep = dist.get_world_size(group)
-    if n_experts % ep:
-        raise ValueError(f"{n_experts} experts do not split over ep={ep} ranks: ep must divide the number of experts")
+    ep_size = dist.get_world_size(group)
+    if n_experts % ep_size:
+        raise ValueError(
+            f"{n_experts} experts do not split over ep={ep_size} ranks: ep_size must divide the number of experts"
+        )
     token, slot = torch.nonzero(routing.kept, as_tuple=True)
     expert = routing.experts[token, slot]
     order = torch.argsort(expert, stable=True)  # by expert, hence by owner rank; token order within one
     token, slot, expert = token[order], slot[order], expert[order]
-    send = torch.bincount(owner(expert, n_experts, ep), minlength=ep)
+    send = torch.bincount(owner(expert, n_experts, ep_size), minlength=ep_size)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     send_counts, recv_counts = send.tolist(), recv.tolist()
@@ -76,7 +78,7 @@ def dispatch(
         rows = AllToAllRows.apply(x[token], recv_counts, send_counts, group)
     ids = torch.empty(sum(recv_counts), dtype=torch.long, device=x.device)
     dist.all_to_all_single(ids, expert, recv_counts, send_counts, group=group)
-    local = ids - dist.get_rank(group) * (n_experts // ep)
+    local = ids - dist.get_rank(group) * (n_experts // ep_size)
     return Dispatched(rows, local, send_counts, recv_counts, token, slot)
 
 

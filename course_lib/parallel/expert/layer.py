@@ -52,10 +52,10 @@ class ExpertParallelMoE(MoE):
         nn.Module.__init__(self)  # take moe's modules over instead of building new ones
         self.group, self.fp8 = group, fp8
         self.n_experts = len(moe.experts)
-        ep, rank = dist.get_world_size(group), dist.get_rank(group)
-        if self.n_experts % ep:
-            raise ValueError(f"{self.n_experts} experts do not split over ep={ep} ranks: ep must divide E")
-        per = self.n_experts // ep
+        ep_size, rank = dist.get_world_size(group), dist.get_rank(group)
+        if self.n_experts % ep_size:
+            raise ValueError(f"{self.n_experts} experts do not split over ep={ep_size} ranks: ep_size must divide E")
+        per = self.n_experts // ep_size
         self.first = rank * per  # global index of this rank's first expert (dispatch.owner's blocks)
         self.router, self.shared, self.coefs = moe.router, moe.shared, moe.coefs
         self.experts = nn.ModuleList(moe.experts[self.first : self.first + per])
@@ -111,7 +111,7 @@ def sync_gradients(model: nn.Module, group=None) -> None:
     """Turn each rank's gradient of its own mean loss into the gradient of the whole batch's mean
     loss (see the module docstring): replicated parameters all-reduced and divided by ep, routed
     experts' (already summed over ranks by the all-to-all's backward) divided by ep."""
-    ep = dist.get_world_size(group)
+    ep_size = dist.get_world_size(group)
     local = {id(p) for p in expert_params(model)}
     replicated = [p for p in model.parameters() if id(p) not in local]
     for p in model.parameters():
@@ -120,9 +120,9 @@ def sync_gradients(model: nn.Module, group=None) -> None:
     flat = torch.cat([p.grad.flatten() for p in replicated])  # one all-reduce, not one per tensor
     dist.all_reduce(flat, group=group)
     for p, g in zip(replicated, flat.split([p.numel() for p in replicated])):
-        p.grad.copy_(g.view_as(p)).div_(ep)
+        p.grad.copy_(g.view_as(p)).div_(ep_size)
     for p in expert_params(model):
-        p.grad.div_(ep)
+        p.grad.div_(ep_size)
 
 
 @torch.no_grad()

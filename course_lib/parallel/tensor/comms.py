@@ -12,6 +12,7 @@ plus :class:`GatherColumnLinear`, the all-gather fused with a column-parallel ma
 re-gathers its input in backward instead of saving it. Layers (:mod:`.sharded_layers`), sequence
 parallelism (:mod:`.sequence`) and the TP model (:mod:`.model`) are built on these.
 
+Shapes write t for tp_size (Korthikanti et al.'s symbol): a sequence shard is [b, s/t, h].
 Layout: activations are [batch, seq, hidden], so the sequence is dim 1, and
 ``all_gather_single`` / ``reduce_scatter_single`` work along dim 0: each op costs one extra
 copy to move the rank axis. Megatron keeps [seq, batch, hidden] precisely to make this free.
@@ -26,12 +27,12 @@ import torch.nn.functional as F
 from course_lib.dist import Mesh
 
 
-def check_divisible(what: str, n: int, tp: int, fix: str) -> None:
+def check_divisible(what: str, count: int, tp_size: int, fix: str) -> None:
     """Every split in TP must be even: a clear error naming the constraint and a way out."""
-    if n % tp:
-        divisors = [d for d in range(1, n + 1) if n % d == 0]
+    if count % tp_size:
+        divisors = [d for d in range(1, count + 1) if count % d == 0]
         raise ValueError(
-            f"tensor parallel size {tp} does not divide {n} {what}: choose a tensor parallel size "
+            f"tensor parallel size {tp_size} does not divide {count} {what}: choose a tensor parallel size "
             f"among {divisors}, or {fix}"
         )
 
@@ -88,29 +89,25 @@ def reduce_from_tensor_parallel_region(x, group):
     return ReduceFromTensorParallelRegion.apply(x, group)
 
 
-def _size(group) -> int:
-    return dist.get_world_size(group)
-
-
 def all_gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """[b, s/t, ...] shards of all ranks -> [b, s, ...] (plain tensors, no autograd)."""
-    t = _size(group)
-    if t == 1:
+    tp_size = dist.get_world_size(group)
+    if tp_size == 1:
         return x
     x = x.contiguous()
     # gloo wants the concatenated form [t·b, s/t, ...]: rank r's shard is rows r·b .. (r+1)·b
-    gathered = x.new_empty((t * x.shape[0], *x.shape[1:]))
+    gathered = x.new_empty((tp_size * x.shape[0], *x.shape[1:]))
     dist.all_gather_single(gathered, x, group=group)
-    return gathered.unflatten(0, (t, x.shape[0])).movedim(0, 1).flatten(1, 2)  # -> [b, t·s/t, ...], one copy
+    return gathered.unflatten(0, (tp_size, x.shape[0])).movedim(0, 1).flatten(1, 2)  # -> [b, t·s/t, ...], one copy
 
 
 def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """[b, s, ...] partial sums on every rank -> this rank's [b, s/t, ...] slice of their sum."""
-    t = _size(group)
-    if t == 1:
+    tp_size = dist.get_world_size(group)
+    if tp_size == 1:
         return x
-    check_sequence_divisible(x.shape[1], t)
-    stacked = x.unflatten(1, (t, x.shape[1] // t)).movedim(1, 0).contiguous()  # [t, b, s/t, ...]
+    check_sequence_divisible(x.shape[1], tp_size)
+    stacked = x.unflatten(1, (tp_size, x.shape[1] // tp_size)).movedim(1, 0).contiguous()  # [t, b, s/t, ...]
     out = x.new_empty(stacked.shape[1:])
     dist.reduce_scatter_single(out, stacked.flatten(0, 1), group=group)  # gloo: the concatenated form
     return out
@@ -182,10 +179,10 @@ class GatherColumnLinear(torch.autograd.Function):
         return (reduce_scatter_sequence(grad_full, ctx.group), None, *grad_weights)
 
 
-def check_sequence_divisible(seq_len: int, tp: int) -> None:
-    if seq_len % tp:
+def check_sequence_divisible(seq_len: int, tp_size: int) -> None:
+    if seq_len % tp_size:
         raise ValueError(
-            f"sequence parallel size {tp} does not divide the sequence length {seq_len}: every rank must hold "
-            f"the same number of positions; pad or crop the sequence to a multiple of {tp}, or use plain "
+            f"sequence parallel size {tp_size} does not divide the sequence length {seq_len}: every rank must hold "
+            f"the same number of positions; pad or crop the sequence to a multiple of {tp_size}, or use plain "
             f"tensor parallelism (sequence_parallel=False)"
         )

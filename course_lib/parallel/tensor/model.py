@@ -45,14 +45,14 @@ class TPAttention(nn.Module):
     def __init__(self, dense, group, sequence_parallel: bool = False):
         super().__init__()
         group = tp_group(group)
-        t = dist.get_world_size(group)
+        tp_size = dist.get_world_size(group)
         self.head_dim, self.group, self.sequence_parallel = dense.head_dim, group, sequence_parallel
         n_heads, n_kv_heads = dense.wq.out_features // self.head_dim, dense.wk.out_features // self.head_dim
-        check_divisible("attention heads", n_heads, t, "change n_heads: each rank computes whole heads")
+        check_divisible("attention heads", n_heads, tp_size, "change n_heads: each rank computes whole heads")
         check_divisible(
             "key/value heads",
             n_kv_heads,
-            t,
+            tp_size,
             "raise n_kv_heads: each rank needs whole K/V heads for its query heads (GQA)",
         )
         self.wq = ColumnParallelLinear.from_dense(dense.wq, group, sequence_parallel)

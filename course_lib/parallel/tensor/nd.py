@@ -68,10 +68,10 @@ def summa(x_block: torch.Tensor, w_block: torch.Tensor, q: int, offset: int = 0)
     p = dist.get_world_size()
     rows = _groups((p // q**2, q, q), 2)  # ranks sharing (depth, i): a grid row
     cols = _groups((p // q**2, q, q), 1)  # ranks sharing (depth, j): a grid column
-    me = dist.get_rank()
-    i, j = divmod(me - offset, q)
-    row_group, row_ranks = rows[me]
-    col_group, col_ranks = cols[me]
+    rank = dist.get_rank()
+    i, j = divmod(rank - offset, q)
+    row_group, row_ranks = rows[rank]
+    col_group, col_ranks = cols[rank]
     y = torch.zeros(x_block.shape[0], w_block.shape[1], dtype=x_block.dtype, device=x_block.device)
     for k in range(q):
         x_k = x_block.clone() if j == k else torch.empty_like(x_block)
@@ -130,9 +130,9 @@ def matmul_3d(x: torch.Tensor, w: torch.Tensor, assemble: bool = True) -> torch.
     _check_split("b", x.shape[0], q * q)
     _check_split("h", x.shape[1], q)
     _check_split("n", w.shape[1], q * q)
-    me = dist.get_rank()
-    i, j, l = me // (q * q), (me // q) % q, me % q  # noqa: E741 - the paper's index l
-    along_i, along_j, along_l = (_groups((q, q, q), a)[me][0] for a in (0, 1, 2))
+    rank = dist.get_rank()
+    i, j, l = rank // (q * q), (rank // q) % q, rank % q  # noqa: E741 - the paper's index l
+    along_i, along_j, along_l = (_groups((q, q, q), a)[rank][0] for a in (0, 1, 2))
     # Stored shards: X_il split over j along b, W_lj split over i along n.
     x_shard = _block(x, q, q, i, l).tensor_split(q, dim=0)[j].contiguous()
     w_shard = _block(w, q, q, l, j).tensor_split(q, dim=1)[i].contiguous()

@@ -40,9 +40,9 @@ from course_lib.parallel.tensor.comms import check_sequence_divisible
 
 def shard_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """This rank's contiguous slice of the sequence (dim 1): positions [r·s/t, (r+1)·s/t). No communication."""
-    t = dist.get_world_size(group)
-    check_sequence_divisible(x.shape[1], t)
-    return x.chunk(t, dim=1)[dist.get_rank(group)]
+    tp_size = dist.get_world_size(group)
+    check_sequence_divisible(x.shape[1], tp_size)
+    return x.chunk(tp_size, dim=1)[dist.get_rank(group)]
 
 
 def mark_sequence_parallel(param: torch.nn.Parameter) -> torch.nn.Parameter:

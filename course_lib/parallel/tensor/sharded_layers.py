@@ -1,6 +1,6 @@
 """Megatron-LM 1D tensor parallelism (Shoeybi et al. 2019, "Megatron-LM", §3) for the course model.
 
-A linear layer Y = X·A can be split two ways over the t ranks of a tensor-parallel (TP) group:
+A linear layer Y = X·A can be split two ways over the t = tp_size ranks of a tensor-parallel (TP) group:
 
     column parallel   A = [A_1 ... A_t]   (split the outputs)   Y_i = X·A_i       X replicated, Y split
     row parallel      A = [A_1; ...; A_t] (split the inputs)    Y = Σ_i X_i·A_i   X split, Y summed
@@ -95,15 +95,15 @@ class _ShardedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, group, sequence_parallel: bool = False):
         super().__init__()
         group = tp_group(group)
-        t = dist.get_world_size(group)
+        tp_size = dist.get_world_size(group)
         shape = [out_features, in_features]
         check_divisible(
             f"{self.split} of a {type(self).__name__} ({in_features} -> {out_features})",
             shape[self.partition_dim],
-            t,
+            tp_size,
             "choose a layer width that is a multiple of it",
         )
-        shape[self.partition_dim] //= t
+        shape[self.partition_dim] //= tp_size
         self.in_features, self.out_features = in_features, out_features
         self.group, self.sequence_parallel = group, sequence_parallel
         # host: a placeholder on the default device like nn.Linear's; from_dense replaces it by a slice where the dense weight is
@@ -160,17 +160,17 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, group, sequence_parallel: bool = False):
         super().__init__()
         group = tp_group(group)
-        t, r = dist.get_world_size(group), dist.get_rank(group)
+        tp_size, rank = dist.get_world_size(group), dist.get_rank(group)
         check_divisible(
             "vocabulary entries",
             num_embeddings,
-            t,
+            tp_size,
             "pad the vocabulary to a multiple of it (Megatron pads to a multiple of 128·t)",
         )
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.group, self.sequence_parallel = group, sequence_parallel
-        per_rank = num_embeddings // t
-        self.vocab_start, self.vocab_end = r * per_rank, (r + 1) * per_rank
+        per_rank = num_embeddings // tp_size
+        self.vocab_start, self.vocab_end = rank * per_rank, (rank + 1) * per_rank
         # host: a placeholder on the default device like nn.Linear's; from_dense replaces it by a slice where the dense weight is
         self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim))
         self.weight.partition_dim = 0
