@@ -32,21 +32,21 @@ import torch.nn.functional as F
 from course_lib.cost.collective_bytes import check_ulysses_divisible
 
 
-def split(x: torch.Tensor, rank: int, world: int, dim: int = -2) -> torch.Tensor:
+def split(x: torch.Tensor, rank: int, cp_size: int, dim: int = -2) -> torch.Tensor:
     """This rank's contiguous 1/N of the sequence (Ulysses' layout: rank r holds tokens r·s/N ...)."""
-    if x.shape[dim] % world:
+    if x.shape[dim] % cp_size:
         raise ValueError(
-            f"sequence length {x.shape[dim]} is not divisible by the Ulysses degree {world}: every rank must "
-            f"hold s/N tokens; pad the sequence to a multiple of {world}"
+            f"sequence length {x.shape[dim]} is not divisible by the Ulysses degree {cp_size}: every rank must "
+            f"hold s/N tokens; pad the sequence to a multiple of {cp_size}"
         )
-    return x.chunk(world, dim=dim)[rank]
+    return x.chunk(cp_size, dim=dim)[rank]
 
 
 def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group=None) -> torch.Tensor:
     """Cut ``x`` into N pieces along ``scatter_dim``, send piece i to rank i, and concatenate the
     pieces received (in rank order) along ``gather_dim``. One ``dist.all_to_all_single`` call."""
-    n = dist.get_world_size(group)
-    send = torch.stack(x.chunk(n, dim=scatter_dim))  # [N, ...piece]: piece i goes to rank i
+    cp_size = dist.get_world_size(group)
+    send = torch.stack(x.chunk(cp_size, dim=scatter_dim))  # [N, ...piece]: piece i goes to rank i
     received = torch.empty_like(send)
     dist.all_to_all_single(received, send, group=group)
     return torch.cat(received.unbind(0), dim=gather_dim)
@@ -82,8 +82,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=N
     q: [b, h, s/N, d]; k, v: [b, h_kv, s/N, d]. Query head i reads K/V head i // (h/h_kv); since N
     divides both h and h_kv, rank r's query heads r·h/N ... exactly read its K/V heads r·h_kv/N ...
     """
-    n = dist.get_world_size(group)
-    check_ulysses_divisible(q.shape[1], k.shape[1], n)
+    cp_size = dist.get_world_size(group)
+    check_ulysses_divisible(q.shape[1], k.shape[1], cp_size)
     qh, kh, vh = (seq_to_heads(t, group) for t in (q, k, v))
     out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=kh.shape[1] != qh.shape[1])
     return heads_to_seq(out, group)
