@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from course_lib.dist import counter, launch
 from course_lib.grading.adapter import Adapter, load
-from course_lib.grading.labs import lab03_zero, lab04_tensor_parallel, lab07_moe
+from course_lib.grading.labs import _lab03_ranks, _lab07_expert_parallel, _lab07_routing, lab04_tensor_parallel
 
 ROOT = Path(__file__).resolve().parent.parent
 LAB01 = ROOT / "solutions/lab01_collectives/collectives.py"
@@ -91,14 +91,14 @@ def test_lab03_zero_buffers_follow_the_model_device():
 
 def test_graders_draw_on_the_host_and_hand_the_rank_its_device(monkeypatch):
     meta = torch.device("meta")
-    for grader in (lab03_zero, lab04_tensor_parallel, lab07_moe):
+    for grader in (_lab03_ranks, lab04_tensor_parallel, _lab07_expert_parallel):
         monkeypatch.setattr(grader, "device", lambda: meta)
     assert lab04_tensor_parallel._randn(0, 2, 3).device == meta
     assert lab04_tensor_parallel._tokens(0, 2, 3).device == meta
-    assert all(p.device == meta for p in lab03_zero._model("odd").parameters())
+    assert all(p.device == meta for p in _lab03_ranks._model("odd").parameters())
     # the same numbers on every machine: drawn on the host before the move
-    cpu = lab07_moe.tokens(4, 0)
-    assert cpu.device.type == "cpu" and torch.equal(cpu, lab07_moe.tokens(4, 0))
+    cpu = _lab07_routing.tokens(4, 0)
+    assert cpu.device.type == "cpu" and torch.equal(cpu, _lab07_routing.tokens(4, 0))
 
 
 if __name__ == "__main__":
