@@ -31,8 +31,8 @@ Entries, for each unit u (``layers.0``, ...):
     optim.step               AdamW's step count t (its bias corrections use it)
 
 Stage 0 (no sharding) gives replicated DTensors: DCP writes them once, every rank reads them whole.
-This module only reads Zero's layout (its units' ``numel`` and ``shard``, ``_my_params``,
-``_slice``); zero.py itself knows nothing of checkpoints.
+This module only reads Zero's layout (its units' ``numel``, ``shard_numel`` and ``in_local``,
+``Zero.shard_index`` and ``Zero.param_shard_of``); zero.py itself knows nothing of checkpoints.
 """
 
 from __future__ import annotations
