@@ -29,14 +29,14 @@ which (dp, tp, pp, m) to choose. You write
 """
 
 # Your code goes in the fenced "Task N — your code" regions of this file:
-#   line 73: Task 1: return (d, s, t), inverting rank = (d·pp + s)·tp + t
-#   line 94: Task 1: raise ValueError naming every rule the layout breaks (heads, blocks, batch, tied); return None if it breaks none
-#   line 158: Task 2: return the Part: coords, make_groups, stage s of the split made tensor-parallel over the tp group, the schedule
-#   line 182: Task 3: leave the dp-averaged gradients in .grad; return the global batch's mean loss on the last stage, None elsewhere
-#   line 197: Task 4: return the rank's parameter count: 1/tp of every matrix of its stage, the norms whole
-#   line 223: Task 4: return {"op@group": {"calls": n, "bytes": b}} for every call one step makes on this rank
-#   line 282: Task 4: return the seconds of the slowest rank: bubble-stretched compute plus alpha-beta communication
-#   line 290: Task 4: return the candidate check_layout accepts with the least step_seconds (the first of equals)
+#   line 77: Task 1: return (d, s, t), inverting rank = (d·pp + s)·tp + t
+#   line 98: Task 1: raise ValueError naming every rule the layout breaks (heads, blocks, batch, tied); return None if it breaks none
+#   line 162: Task 2: return the Part: coords, make_groups, stage s of the split made tensor-parallel over the tp group, the schedule
+#   line 186: Task 3: leave the dp-averaged gradients in .grad; return the global batch's mean loss on the last stage, None elsewhere
+#   line 201: Task 4: return the rank's parameter count: 1/tp of every matrix of its stage, the norms whole
+#   line 227: Task 4: return {"op@group": {"calls": n, "bytes": b}} for every call one step makes on this rank
+#   line 286: Task 4: return the seconds of the slowest rank: bubble-stretched compute plus alpha-beta communication
+#   line 294: Task 4: return the candidate check_layout accepts with the least step_seconds (the first of equals)
 
 from __future__ import annotations
 
