@@ -111,21 +111,37 @@ def portability(labs_only: bool = False) -> int:
     return 0 if all(ok for _, _, ok in rows) else 1
 
 
-def test(extra: list[str]) -> int:
-    """Unit tests, nbval on every lecture (outputs compared), and every lab's grader both ways.
+# The suite runs on WORKERS pytest-xdist processes, a file to each at a time (a notebook's cells share
+# one kernel, so a file stays whole); what times something against a model runs afterwards, alone.
+WORKERS = 2
 
-    ``--fast``: the contributor's loop — tests/ without the tests marked slow (pyproject.toml says what
-    they are) and without nbval. tests/conftest.py points the temp folder of the suite and of every
-    program it starts at build/tmp/ and empties it at the end, so nothing is left behind.
+
+def test(extra: list[str]) -> int:
+    """The whole suite: unit tests, nbval on every lecture (outputs compared), every lab's grader both ways.
+
+    ``--fast``: the contributor's loop, tests/ without the tests marked slow and without nbval (the
+    markers are described in pyproject.toml). Two runs of pytest: first everything not marked serial,
+    spread over WORKERS processes, then the serial tests alone; extra arguments go to both. The
+    ``course`` script points TMPDIR at build/tmp/ for everything the tests start, and removes it.
     """
-    if "--fast" in extra:
-        rest = [a for a in extra if a != "--fast"]
-        cmd = [sys.executable, "-m", "pytest", "tests", "-m", "not slow", *rest]
+    fast = "--fast" in extra
+    rest = [a for a in extra if a != "--fast"]
+    if fast:
+        base = [sys.executable, "-m", "pytest", "tests"]
+        tier = "not slow and "
     else:
-        cmd = nbval_command(*extra)
-        cmd.insert(3, "tests")
-    print(" ".join(cmd[2:]), flush=True)
-    return subprocess.call(cmd, cwd=ROOT)
+        base = nbval_command()
+        base.insert(3, "tests")
+        tier = ""
+    shared = [*base, "-m", f"{tier}not serial", "-n", str(WORKERS), "--dist", "loadfile", *rest]
+    alone = [sys.executable, "-m", "pytest", "tests", "-m", f"{tier}serial", *rest]
+    code = 0
+    for cmd in (shared, alone):
+        print(" ".join(cmd[2:]), flush=True)
+        result = subprocess.call(cmd, cwd=ROOT)
+        # 5: pytest collected nothing (arguments that select only tests of the other run)
+        code = code or (0 if result == 5 else result)
+    return code
 
 
 def gpu_check(args: list[str]) -> int:

@@ -10,8 +10,8 @@ the course is plotted against a line it can approach but, up to sampling noise, 
 Reading order: ``MarkovLanguage`` (the source, its transition table drawn from a Dirichlet by
 :mod:`course_lib.dirichlet`, its stationary distribution, its entropies, sampling) -> ``TokenDataset``
 (next-token windows, sharding, data-parallel batches). The vocabulary, its text form and its Hugging
-Face tokenizer are in :mod:`course_lib.model.tokenizer`. Tested in tests/test_data.py (the language)
-and tests/test_token_dataset.py (windows and batches).
+Face tokenizer are in :mod:`course_lib.model.tokenizer`. Tested in tests/data/test_data.py (the language)
+and tests/data/test_token_dataset.py (windows and batches).
 
 Vocabulary (:mod:`course_lib.model.tokenizer`): 64 ids, of which 0..59 are symbol slots; a language with
 n_symbols = m emits symbol s as token id s, so it uses ids 0..m-1. Sixty slots let a lecture build a harder language (more symbols) without changing the model's

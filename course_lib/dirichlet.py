@@ -5,7 +5,7 @@ Dirichlet(a, ..., a). torch.distributions.Gamma cannot take a torch.Generator, s
 are drawn here by Marsaglia & Tsang's method (2000), from the normals and uniforms of the caller's
 generator: the same seed gives the same table on every machine, and torch's global RNG never moves.
 :class:`course_lib.data.MarkovLanguage` draws its table with :func:`sample_dirichlet`.
-Tested in tests/test_data.py.
+Tested in tests/data/test_data.py.
 """
 
 # device-guard: host-only: the tables are drawn on the host with CPU generators, so any machine gets the same language

@@ -71,3 +71,11 @@ def accelerate_launch(free_port):
         return out
 
     return run
+
+
+def pytest_collection_modifyitems(items):
+    """A test that runs a whole program under ``accelerate launch`` is slow (new processes import torch,
+    accelerate and the course): ``./course test --fast`` leaves it out, the whole suite runs it."""
+    for item in items:
+        if "accelerate_launch" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)

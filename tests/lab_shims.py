@@ -1,4 +1,4 @@
-"""Course_lib's implementations in the shape of the labs' roles, for tests/test_lab_checks.py.
+"""Course_lib's implementations in the shape of the labs' roles, for tests/grading/test_lab_checks.py.
 
 Where a lab's interface and course_lib's differ, a shim here maps one onto the other, so the lab's
 checks test course_lib's code (course_lib keeps its own API):

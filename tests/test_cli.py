@@ -10,10 +10,12 @@ from pathlib import Path
 
 import nbformat
 import psutil
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_command_a_serves_the_lectures_in_jupyterlab(tmp_path, free_port):
     port = free_port
     env = {
@@ -55,6 +57,7 @@ def test_command_a_serves_the_lectures_in_jupyterlab(tmp_path, free_port):
     assert not alive, f"stopping command A must stop JupyterLab too; still running: {alive}"
 
 
+@pytest.mark.slow
 def test_command_a_headless_executes_notebooks_to_html(tmp_path):
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(6 * 7)")])
     (tmp_path / "nb").mkdir()
@@ -87,6 +90,7 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert "./course test" in readme and "\n./course test\n" in ci, ".ci/run must call exactly the README's command B"
 
 
+@pytest.mark.slow
 def test_lectures_execute_inplace_saves_the_outputs_in_the_notebook(tmp_path):
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(6 * 7)")])
     path = tmp_path / "01_demo.ipynb"

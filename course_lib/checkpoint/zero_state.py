@@ -7,7 +7,7 @@ padding and this is exactly how a DTensor with placement ``Shard(0)`` on a 1-D m
 splits a vector of ``numel`` elements: torch.chunk's rule, chunks of ``ceil(numel/N)`` with the
 last ones short or empty (the docstring of ``torch.distributed.tensor.Shard``: "follows the
 ``torch.chunk(dim)`` semantic"; it also warns that uneven sharding is experimental, which is why
-``tests/test_checkpoint.py`` checks the rule against torch.chunk and ``distribute_tensor``). So each of
+``tests/checkpoint/test_checkpoint.py`` checks the rule against torch.chunk and ``distribute_tensor``). So each of
 Zero's shards *is* the local tensor of a DTensor over the unpadded unit, and DCP, which reshards
 DTensors, reshards ZeRO: a checkpoint written by 4 ranks loads on 2, each reading the ranges its
 new shard covers.

@@ -1,6 +1,6 @@
 """Activation memory per transformer layer: Korthikanti et al.'s model, adapted to the course model,
 and what each recomputation policy keeps and costs. What autograd actually keeps is measured by
-:class:`course_lib.measure.saved_tensors.SavedTensorMeter`; tests/test_activation_memory.py sets the two
+:class:`course_lib.measure.saved_tensors.SavedTensorMeter`; tests/measure/test_activation_memory.py sets the two
 side by side.
 
 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", §4) count
@@ -70,7 +70,7 @@ from course_lib.cost.flops import attention_flops_per_token, train_flops_per_tok
 from course_lib.model.config import ModelConfig
 
 ATTENTION_KERNELS = ("flash", "math")
-# What course_lib.model.recompute.set_recompute accepts (tests/test_recompute.py checks they agree).
+# What course_lib.model.recompute.set_recompute accepts (tests/model/test_recompute.py checks they agree).
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 
 
@@ -151,7 +151,7 @@ def attention_memory_per_rank(
         FlashAttention kernel never builds more than a tile, which removes this term for all three.
     ``buffers`` — communication staging: ulysses the send and receive copies of its largest
         all-to-all (2·b·(s/N)·h·d); ring the K/V block in flight (2·b·h_kv·(s/N)·d).
-    ``saved`` is checked against autograd's saved tensors in tests/test_ring_attention.py.
+    ``saved`` is checked against autograd's saved tensors in tests/parallel/context/test_ring_attention.py.
     """
     b, s, h, hk, d, e, n = batch, seq_len, n_heads, n_kv_heads, head_dim, bytes_per_element, cp_size
     if method == "none":
@@ -318,7 +318,7 @@ def sdpa_saved_statistics(
         and a uint64 offset.
 
     The CUDA shapes are those PyTorch's own shape functions allocate (``torch/_meta_registrations.py``,
-    ``_scaled_dot_product_{efficient,flash}_attention``; tests/test_device_measure.py runs them on
+    ``_scaled_dot_product_{efficient,flash}_attention``; tests/measure/test_device_measure.py runs them on
     meta tensors). They assume a head_dim the fused kernels accept (a multiple of 8). Another device
     type raises: measure its kernel first.
     """

@@ -19,7 +19,7 @@ a reduce-scatter, one rank's input of an all-to-all, the message of a send.
 :func:`ring_all_reduce_seconds`, :func:`tree_all_reduce_seconds` (binomial and double binary tree,
 Sanders, Speck & Träff 2009), :func:`ring_all_gather_seconds`, :func:`ring_reduce_scatter_seconds`,
 :func:`all_to_all_seconds`, :func:`p2p_seconds` say where each entry comes from. Used by lectures 02,
-07 and 08; the α, β of a real link are :mod:`course_lib.cost.links`. Tested in tests/test_comm_model.py.
+07 and 08; the α, β of a real link are :mod:`course_lib.cost.links`. Tested in tests/cost/test_comm_model.py.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ What a checkpoint of ZeRO training holds is the model states of :mod:`course_lib
 without the gradients (they are recomputed by the next step): the parameters in their compute
 precision, the fp32 master copy when there is one, and Adam's two fp32 moments. Lecture 08 writes
 each kind with :mod:`course_lib.checkpoint` and :mod:`course_lib.experiments.lecture08.checkpoint_runs` sets the
-files' sizes beside these formulas (tests/test_checkpoint.py).
+files' sizes beside these formulas (tests/checkpoint/test_checkpoint.py).
 
 * :func:`full_checkpoint_bytes` — the payload of a full checkpoint;
 * :func:`incremental_checkpoint_bytes` — only the blocks that changed since a base checkpoint

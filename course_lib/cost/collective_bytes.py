@@ -20,8 +20,8 @@ group's size (``group_size``, ``dp_size``, ``cp_size``: the ranks of one collect
   et al. 2021), lecture 02: :func:`comm_elements` (payload, what the counter records),
   :func:`tp_received_elements` (what a device receives), :func:`grid_side` (q with q² or q³ = p).
 
-Time, not bytes, is :mod:`course_lib.cost.alpha_beta`. Tested in tests/test_memory.py (ZeRO),
-tests/test_lecture02.py (tensor-parallel schemes), tests/test_ring_attention.py and tests/test_ulysses.py.
+Time, not bytes, is :mod:`course_lib.cost.alpha_beta`. Tested in tests/measure/test_memory.py (ZeRO),
+tests/lectures/test_lecture02.py (tensor-parallel schemes), tests/parallel/context/test_ring_attention.py and tests/parallel/context/test_ulysses.py.
 """
 
 from __future__ import annotations
@@ -209,7 +209,7 @@ def tp_received_elements(scheme: str, b: int, h: int, n: int, p: int, d: int = 1
     * 3D (Bian et al. 2021), p = q³: all-gathers of X and W shards, (q-1)(bh + hn)/q³, and a ring
       reduce-scatter of the [b/q, n/q] partial product, (q-1)/q · bn/q²: (q-1)(bh + hn + bn)/q³.
 
-    :func:`received_bytes` derives the same from counted payloads (tests/test_lecture02.py).
+    :func:`received_bytes` derives the same from counted payloads (tests/lectures/test_lecture02.py).
     """
     if scheme == "1d":
         return 2 * (p - 1) / p * b * n

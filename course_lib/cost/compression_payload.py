@@ -10,7 +10,7 @@ Uncompressed, a bucket of ``numel`` fp32 gradients is 4·numel bytes:
     1-bit sign (Seide et al. 2014)                        ⌈numel/8⌉ + 4       packed bits + fp32 scale
     PowerSGD (Vogels et al. 2019, Alg. 1)                 r·(n + m) per n×m   all-reduced
 
-The hooks themselves are :mod:`course_lib.optim.compression`. Tested in tests/test_compression.py.
+The hooks themselves are :mod:`course_lib.optim.compression`. Tested in tests/optim/test_compression.py.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ all-reduce of :mod:`course_lib.cost.alpha_beta`, 2(N-1)·α + 2(N-1)/N·S·β on
 * :func:`ddp_step_timeline`: one step as spans (forward, backward, each bucket's all-reduce, the
   wait, the optimizer) that ``course_lib.plots.data_parallel.ddp_timeline`` draws.
 
-Tested in tests/test_comm_model.py.
+Tested in tests/cost/test_comm_model.py.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Lepikhin et al. 2020, §2.2), T·k·h·bytes each way, of which (ep_size - 1)/ep
   DeepSeek-V3: Scaling Challenges and Reflections on Hardware for AI Architectures", ISCA, §4.3).
 
 How many nodes a token reaches is :mod:`course_lib.cost.expert_routing`. Tested in
-tests/test_cost_calculators.py, tests/test_expert_parallel.py and tests/test_comm_model.py.
+tests/cost/test_cost_calculators.py, tests/parallel/expert/test_expert_parallel.py and tests/cost/test_comm_model.py.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ Architectures", ISCA, §4.3) D is the InfiniBand copies a token costs; DeepSeek-
 routing (DeepSeek-AI, "DeepSeek-V3 Technical Report" 2024, §2.1.2) caps it at M nodes. The seconds
 those copies take are :func:`course_lib.cost.expert_dispatch.ep_layer_comm_seconds`.
 
-Tested in tests/test_comm_model.py.
+Tested in tests/cost/test_comm_model.py.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@
 
 A FLOP here is one floating-point addition or multiplication, so a multiply-add counts 2, as in the
 papers and in ``torch.utils.flop_counter.FlopCounterMode``. :mod:`course_lib.measure.flop_counter` counts
-and times what these predict; tests/test_flops.py sets them side by side.
+and times what these predict; tests/cost/test_flops.py sets them side by side.
 """
 
 from __future__ import annotations

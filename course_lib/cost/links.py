@@ -10,7 +10,7 @@ ISCA, Table 5), β = 1 / the per-direction bandwidth of :mod:`course_lib.cost.ha
 * :func:`step_comm_on`: TP and EP communication of one step on a given part, every figure from the
   hardware table: an H800 (NVLink 400 GB/s) against an H100 (900 GB/s), Zhao et al. §2.3.2, §4.2-4.3.
 
-Tested in tests/test_comm_model.py.
+Tested in tests/cost/test_comm_model.py.
 """
 
 from __future__ import annotations

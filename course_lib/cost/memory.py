@@ -15,8 +15,8 @@ buffers, fragmentation). This module is about the model states:
 
 Activations are in :mod:`course_lib.cost.activations`, bytes moved in :mod:`course_lib.cost.collective_bytes`.
 What a rank really holds is counted by :func:`course_lib.dist.census.held_bytes`, and
-:mod:`course_lib.experiments.lecture02.zero_stages` sets the two side by side (tests/test_memory.py); the fine-tuning formulas
-meet their measurements in tests/test_lowrank.py, tests/test_nf4.py and tests/test_qlora.py.
+:mod:`course_lib.experiments.lecture02.zero_stages` sets the two side by side (tests/measure/test_memory.py); the fine-tuning formulas
+meet their measurements in tests/optim/test_lowrank.py, tests/precision/test_nf4.py and tests/precision/test_qlora.py.
 """
 
 from __future__ import annotations

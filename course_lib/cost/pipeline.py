@@ -1,6 +1,6 @@
 """Pipeline parallelism in numbers: the bubble, the activations a stage keeps in flight, the bytes
 sent between stages. Pure arithmetic; :mod:`course_lib.parallel.pipeline` builds the schedules, and
-tests/test_pipeline.py checks every formula here against them (simulated and run).
+tests/parallel/pipeline/test_pipeline.py checks every formula here against them (simulated and run).
 
 A pipeline of ``p`` ranks feeds ``m`` micro-batches through its stages each step.
 

@@ -7,7 +7,7 @@ backward (the f), each a ring all-reduce of :mod:`course_lib.cost.alpha_beta` on
 :func:`course_lib.cost.flops.gpt_block_forward_flops`, split over the ``tp_size`` ranks, so the share of
 communication grows with the degree. On a real accelerator's link: :func:`course_lib.cost.links.tp_step_comm_seconds`.
 
-Tested in tests/test_comm_model.py.
+Tested in tests/cost/test_comm_model.py.
 """
 
 from __future__ import annotations

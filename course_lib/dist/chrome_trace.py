@@ -17,7 +17,7 @@ Complete events on one thread must nest; asynchronous collectives overlap each o
 whose spans overlap without nesting is split into numbered sub-lanes (``comm: world #2``). With
 ``profiles``, the Chrome traces torch.profiler wrote on the same ranks are merged in, their clock
 moved onto ours through a marker event both recorded (:func:`profile`). :func:`check_chrome`
-validates a file. Tested in tests/test_trace_export.py.
+validates a file. Tested in tests/dist/test_trace_export.py.
 """
 
 from __future__ import annotations

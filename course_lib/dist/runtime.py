@@ -68,7 +68,7 @@ class Choice:
 
 def decide(kind: str | None, count: int, local_ranks: int, forced: str | None) -> Choice:
     """The rule, as a pure function of the machine (``kind``, ``count`` devices), the ranks on it and
-    ``COURSE_BACKEND``: tested on a CPU machine with pretend accelerators (``tests/test_dist.py``)."""
+    ``COURSE_BACKEND``: tested on a CPU machine with pretend accelerators (``tests/dist/test_dist.py``)."""
     native = None if kind is None else dist.get_default_backend_for_device(kind)
     devices = f"{count} {kind} device{'s' if count != 1 else ''}" if kind else "no accelerator"
     ranks = f"{local_ranks} local rank{'s' if local_ranks != 1 else ''}"

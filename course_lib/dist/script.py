@@ -19,7 +19,7 @@ A script imports the modules beside it by name (``from ddp import DDP``, the lea
 puts the folder of the script it runs first on ``sys.path``, under ``python run.py``, ``accelerate
 launch`` and ``torchrun`` alike, so no path needs to be set by hand.
 
-Tested in tests/test_dist_script.py, and through the labs' scripts in tests/test_labs.py.
+Tested in tests/dist/test_dist_script.py, and through the labs' scripts in tests/labs/test_labs.py.
 """
 
 from __future__ import annotations

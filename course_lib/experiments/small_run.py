@@ -17,7 +17,7 @@ beside its floor). Their data and their loop are written here once:
 
 A run that wraps the whole step in something (a counter of the bytes sent, a trace of the
 collectives, a framework's own backward) keeps its own loop and says why in its docstring; it
-still takes its batches from :func:`batches`. Tested in tests/test_small_run.py.
+still takes its batches from :func:`batches`. Tested in tests/experiments/test_small_run.py.
 """
 
 from __future__ import annotations

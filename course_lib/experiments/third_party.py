@@ -18,7 +18,7 @@ on a 1-GPU machine running 2 ranks, where the course keeps its ranks on the CPU 
 two ranks on one GPU), rank 1 would ask for a cuda:1 that does not exist, and rank 0 would train on the
 GPU while the course's batches sit on the CPU. The lab script applies the rule before DeepSpeed is
 imported and checks that the engine landed on the course's device
-(``use_course_device``, ``check_engine_device``). Tested in tests/test_device_frameworks.py (the mapping,
+(``use_course_device``, ``check_engine_device``). Tested in tests/experiments/test_device_frameworks.py (the mapping,
 and that the lab script's copy agrees with it).
 """
 

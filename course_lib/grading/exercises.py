@@ -13,7 +13,7 @@ For a learner :func:`answer` returns their own object, and the check in the next
 (set for every pytest run by the root ``conftest.py``, so nbval executes the lectures with it, and by
 ``./course lectures --execute``) it returns the reference answer instead: the stored outputs come
 from the reference, and the suite proves both directions — placeholder fails, reference passes
-(``tests/test_exercises.py``).
+(``tests/grading/test_exercises.py``).
 
 The checks live here, not in the notebooks, so that the test suite can call them too. A check takes
 the learner's answer and, where the answer is compared with a measurement, that measurement.

@@ -15,7 +15,7 @@ prefix) that defines three things:
 * ``adapter(lab_dir) -> Adapter`` — builds the :class:`~course_lib.grading.adapter.Adapter` that maps
   each role to a callable, here ``Adapter.of_file(lab_dir / "zero.py", ROLES)``: the learner's file.
   A check never imports what it checks; it calls ``impl["ZeroAdamW"](...)``. So the same check also
-  tests course_lib's own implementation: tests/test_lab_checks.py hands the checks an
+  tests course_lib's own implementation: tests/grading/test_lab_checks.py hands the checks an
   ``Adapter.of_library(role="course_lib.module:attribute", ...)``, with tests/lab_shims.py where the
   lab's interface and the library's differ.
 * ``TASKS`` — a list of :class:`Task` ``(name, points, check, timeout, setup, needs)``: the rows of the

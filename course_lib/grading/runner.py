@@ -12,7 +12,7 @@ Inside the worker each check is bounded by its task's timeout: an interval timer
 their ranks) and is reported as that task's timeout. A check that blocks where the timer cannot reach
 it (inside one C call) or that kills the worker is found from the worker's end: every check writes
 its outcome to a file as it finishes, the first check without one is the culprit, and the checks after
-it go on in a new worker. Tested in tests/test_grade.py (a hanging check, a rank that hangs, a crash).
+it go on in a new worker. Tested in tests/grading/test_grade.py (a hanging check, a rank that hangs, a crash).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A delta + entropy codec for moving a KV cache over a network (CacheGen), lecture 06.
 
 It quantizes with the asymmetric codes of :mod:`course_lib.inference.quantized_cache` (x̂ = m + s·code,
-|x − x̂| ≤ s/2). Tested in tests/test_quantized_kv.py.
+|x − x̂| ≤ s/2). Tested in tests/inference/test_quantized_kv.py.
 
 **CacheGen** (Liu et al. 2024, "CacheGen: KV Cache Compression and Streaming for Fast Large Language Model
 Serving", SIGCOMM, arXiv:2310.07240, §5). To *send* a cache over a network, CacheGen exploits that nearby tokens

@@ -5,7 +5,7 @@ O(t) per layer for the projections and O(t²) for attention, so n tokens cost O(
 attention). With a cache the prompt runs once (*prefill*, compute-bound: a matrix of tokens per
 GEMM) and each new token runs alone (*decode*, memory-bound: every weight and the whole cache read
 for one token's GEMVs). The three paths compute the same function of the same numbers, so their
-greedy tokens agree; tests/test_generate.py checks it over prompts of many lengths for GQA and MLA.
+greedy tokens agree; tests/inference/test_generate.py checks it over prompts of many lengths for GQA and MLA.
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ def gather_blocks(store: torch.Tensor, block_tables: Sequence[Sequence[int]]) ->
 class BlockPool:
     """``num_blocks`` physical blocks: reference counts, the prefix-cache map and an LRU free list.
 
-    Invariants (tests/test_paged_cache.py checks them after every operation):
+    Invariants (tests/inference/test_paged_cache.py checks them after every operation):
     a block is in the free list exactly when its count is 0; a registered hash maps to a block that
     carries it; a block is freed only while its count is positive.
     """

@@ -1,7 +1,7 @@
 """A quantized KV cache (KIVI), lecture 06: K/V stored as INT8/INT4/INT2 codes, keys per channel, values per token.
 
 The codec that moves such a cache over a network (CacheGen) builds on these codes: :mod:`course_lib.inference.cachegen`.
-Tested in tests/test_quantized_kv.py.
+Tested in tests/inference/test_quantized_kv.py.
 
 **Asymmetric uniform quantization.** A group of values g is stored as b-bit codes, its minimum m (the zero
 point, in the values' own units) and a step s (Jacob et al. 2018, "Quantization and Training of Neural

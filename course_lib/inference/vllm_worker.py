@@ -58,7 +58,7 @@ ENGINE_DEFAULTS = dict(
 #     choosing something else. Its tl.dot would round float32 inputs to TF32 (10 mantissa bits):
 #     _environment() sets TRITON_F32_DEFAULT=ieee, and VLLM_FLOAT32_MATMUL_PRECISION=highest keeps
 #     torch's own matmuls out of TF32 too. So float32 stays float32 and the greedy tokens are compared
-#     with course_lib's exactly, as on CPU (tests/test_vllm.py: equal tokens, top-2 logit gaps within
+#     with course_lib's exactly, as on CPU (tests/inference/test_vllm.py: equal tokens, top-2 logit gaps within
 #     float32 rounding). If a GPU ever refuses float32, pass engine={"dtype": "float16"}: then tokens
 #     can be compared only at steps where course_lib's top-2 logit gap exceeds fp16's logit error
 #     (measured as test_vllm.py measures the gaps), as a bf16/fp16 server would be checked.

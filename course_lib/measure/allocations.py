@@ -14,7 +14,7 @@ CUDA), so the course uses it on both. Lecture 02 reads ZeRO-3's peak off it.
 Bytes allocated before the trace began are not seen; ``curve`` starts at 0 and may dip below it
 when such a tensor is freed.
 
-Tested in tests/test_memory.py.
+Tested in tests/measure/test_memory.py.
 """
 
 from __future__ import annotations

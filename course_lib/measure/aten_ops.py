@@ -30,7 +30,7 @@ device (``aten._scaled_dot_product_flash_attention_for_cpu`` here, a CUDA flash 
 kernel on a GPU, the math fallback's ``bmm`` + ``_safe_softmax`` when a mask is given), so a port
 reruns this on the target to see what its own plugin chose.
 
-Tested in tests/test_aten_ops.py.
+Tested in tests/measure/test_aten_ops.py.
 """
 
 from __future__ import annotations

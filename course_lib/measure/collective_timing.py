@@ -14,7 +14,7 @@ for the collectives' algorithms):
   alike rather than on one size; each figure is the lower quartile of a size's operations.
 
 Wall-clock figures depend on the machine and its load: a lecture shows them in plots, or prints them
-only in lines that ``lectures/sanitize.cfg`` replaces. Tested in tests/test_comm_model.py.
+only in lines that ``lectures/sanitize.cfg`` replaces. Tested in tests/cost/test_comm_model.py.
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def time_collectives(
     ping-pong round trip between ranks 0 and 1 (the way Hockney measured α and β). A collective
     completes on all ranks together, so each figure is the slowest rank's (for ``p2p``, of ranks 0 and 1).
 
-    Why 15 repeats (about 25 s on 2 cores): the held-out test of the fit (tests/test_comm_model.py)
+    Why 15 repeats (about 25 s on 2 cores): the held-out test of the fit (tests/cost/test_comm_model.py)
     judges single figures against 25%. With 7 repeats the worst held-out error of the six
     collectives ranged 0.07-0.26 over three quiet runs (and 13 of 144 checks missed 25% over 24 runs
     at mixed load); with 15 it ranged 0.05-0.17 over three quiet runs: the lower quartile of twice

@@ -25,7 +25,7 @@ DRAM as the bandwidth measurement does, whatever the cache sizes.
 The measurements are interleaved: every round times the peak, the bandwidth and each kernel once, and
 each keeps its fastest round. A machine that is busy for part of the run then slows the roof and the
 kernels alike, instead of lowering one against the other. Threads: torch's setting as it is (lecture
-07 and tests/test_roofline.py set one thread, and say why).
+07 and tests/measure/test_roofline.py set one thread, and say why).
 
 Host by design, on a GPU machine too: what is measured is the CPU (its BLAS, its caches, its DRAM), so
 every operand is made on the host and timed with the host's clock — a CPU kernel has returned when

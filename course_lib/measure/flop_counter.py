@@ -1,6 +1,6 @@
 """Measured compute: count the matmul FLOPs of a training step, time it, find this machine's peak.
 
-Set beside the formulas of :mod:`course_lib.cost.flops` (lecture 01, tests/test_flops.py).
+Set beside the formulas of :mod:`course_lib.cost.flops` (lecture 01, tests/cost/test_flops.py).
 """
 
 from __future__ import annotations

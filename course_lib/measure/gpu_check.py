@@ -10,7 +10,7 @@ about 8 minutes on one H100 with 16 cores, prints a table and writes ``build/gpu
   (tensor-wise, row-wise, 1x128/128x128 block) against the dequantize-then-fp32 emulation within a
   stated bound, and FP8 vs bf16 GEMM throughput at 4096 and 8192;
 * as subprocesses, several at a time: one step of each parallel component against its
-  single-process reference (the graders' checks run on course_lib: ``tests/test_lab_checks.py``),
+  single-process reference (the graders' checks run on course_lib: ``tests/grading/test_lab_checks.py``),
   the labs' reference solutions graded, the lectures whose cells compute on ``runtime.device()``
   under nbval, and vLLM's greedy tokens against the course's.
 
@@ -182,8 +182,8 @@ def _grade(lab: str) -> list[str]:
     return [sys.executable, "-m", "course_lib.cli", "grade", lab, "--solutions"]
 
 
-CHECKS = "tests/test_lab_checks.py"
-COMPOSE = "tests/test_compose.py::test_composed_training_follows_one_process"
+CHECKS = "tests/grading/test_lab_checks.py"
+COMPOSE = "tests/parallel/test_compose.py::test_composed_training_follows_one_process"
 LECTURES_ON_DEVICE = ("05", "06", "07")  # cells that compute on runtime.device() in the notebook's process
 LABS = sorted(p.name for p in (ROOT / "solutions").glob("lab*") if p.is_dir())
 
@@ -198,14 +198,17 @@ def plan() -> list[Row]:
     steps = {
         "ddp": ("one DDP step == one process", _pytest(CHECKS, "-k", "lab02")),
         "zero": ("ZeRO-1/2/3 == AdamW on one process", _pytest(CHECKS, "-k", "lab03")),
-        "zero-offload": ("ZeRO with CPU offload", _pytest("tests/test_zero.py", "-k", "offload")),
+        "zero-offload": ("ZeRO with CPU offload", _pytest("tests/parallel/data/test_zero.py", "-k", "offload")),
         "tp-sp": ("TP + SP layers == dense", _pytest(CHECKS, "-k", "lab04")),
         "1f1b": ("a 1F1B step == one process", _pytest(CHECKS, "-k", "lab05")),
         "ring-attention": ("ring attention == full attention", _pytest(CHECKS, "-k", "lab06")),
-        "ep-dispatch": ("EP dispatch/combine fp32 == one rank", _pytest("tests/test_expert_parallel.py")),
+        "ep-dispatch": (
+            "EP dispatch/combine fp32 == one rank",
+            _pytest("tests/parallel/expert/test_expert_parallel.py"),
+        ),
         "ep-fp8": ("MoE checks incl. FP8 dispatch", _pytest(CHECKS, "-k", "lab07")),
         "fp8-linear": ("FP8 linear and training", _pytest(CHECKS, "-k", "lab08")),
-        "kv-engine": ("paged KV engine == generate", _pytest("tests/test_paged_cache.py", "-k", "engine")),
+        "kv-engine": ("paged KV engine == generate", _pytest("tests/inference/test_paged_cache.py", "-k", "engine")),
         "composed": ("DP x TP x PP step == one process", _pytest(f"{COMPOSE}[dp=2 tp=2 pp=2 m=2]")),
     }
     rows += [Row(name, what, command=cmd, budget_s=180) for name, (what, cmd) in steps.items()]
@@ -215,7 +218,9 @@ def plan() -> list[Row]:
     rows.append(
         Row("lectures", "lectures 05-07 under nbval", command=_pytest(*notebooks, "--nbval", sanitize), budget_s=300)
     )
-    rows.append(Row("vllm", "vLLM greedy tokens == course_lib's", command=_pytest("tests/test_vllm.py"), budget_s=300))
+    rows.append(
+        Row("vllm", "vLLM greedy tokens == course_lib's", command=_pytest("tests/inference/test_vllm.py"), budget_s=300)
+    )
     return rows
 
 

@@ -4,7 +4,7 @@ It sees what saved-tensor hooks (:class:`course_lib.measure.saved_tensors.SavedT
 the temporaries of the backward pass, and the tensors activation checkpointing recomputes. Lecture 06
 sets its peaks beside :func:`course_lib.cost.activations.recompute_peak_bytes`
 (:mod:`course_lib.experiments.lecture06.recompute_memory`); lecture 08 reads a step's memory curve off it.
-Tested in tests/test_recompute.py.
+Tested in tests/model/test_recompute.py.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ shows. :func:`sdpa_kernel` picks the kernel a measurement runs.
 
 Used by lectures 01 (:mod:`course_lib.measure.step_memory`), 02 (ZeRO's stages), 03 (the TP and SP
 layouts, :mod:`course_lib.experiments.lecture03.layer_activation_bytes`) and 06 (recomputation).
-Tested in tests/test_activation_memory.py and tests/test_device_measure.py.
+Tested in tests/measure/test_activation_memory.py and tests/measure/test_device_measure.py.
 """
 
 from __future__ import annotations

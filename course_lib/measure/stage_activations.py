@@ -14,7 +14,7 @@ and RoPE tables, which are not activations.
 
 The peak is the in-flight count of the schedule (``cost.pipeline.in_flight_microbatches``) times
 one micro-batch's bytes, and a middle stage's bytes are ``cost.activations.activation_bytes_per_layer``
-per block: tests/test_pipeline.py sets them side by side.
+per block: tests/parallel/pipeline/test_pipeline.py sets them side by side.
 """
 
 from __future__ import annotations

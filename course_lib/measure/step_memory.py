@@ -1,5 +1,5 @@
 """What one training step holds, phase by phase: parameters, gradients, optimizer state, and the
-activations autograd saves for the backward pass (lecture 01, tests/test_lecture01.py).
+activations autograd saves for the backward pass (lecture 01, tests/lectures/test_lecture01.py).
 
 The formulas are :mod:`course_lib.cost.memory` (model states) and :mod:`course_lib.cost.activations`
 (activations per layer); the census is :mod:`course_lib.dist.census`.

@@ -16,7 +16,7 @@ Fields left as ``None`` (``n_kv_heads``, ``head_dim``, ``d_ff``, ``moe_d_ff``) a
 construction. ``dataclasses.replace`` keeps derived values, so when you change ``d_model`` or
 ``n_heads`` through it, pass ``head_dim=None`` (and ``d_ff=None``) to derive them again;
 ``configs.get(name, **overrides)`` builds from the registry's own arguments and has no such trap.
-Tested in tests/test_configs.py.
+Tested in tests/model/test_configs.py.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ bytes) from real numbers instead of round guesses:
     ('tiny', 'small', 'deepseek-v3', 'qwen2.5-72b', 'llama-3.1-405b', 'gpt-oss-120b', ...)
     >>> cfg = configs.get("tiny", n_layers=4)
 
-Tested in tests/test_configs.py (each published count against its headline figure).
+Tested in tests/model/test_configs.py (each published count against its headline figure).
 """
 
 from __future__ import annotations

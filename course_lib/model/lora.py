@@ -21,13 +21,13 @@ moments), not activations: the frozen base still runs forward and backward throu
 :mod:`course_lib.optim.lowrank` keeps every weight trainable and makes the *optimizer state* low-rank
 instead (GaLore). The same adapter in ``peft`` is ``LoraConfig(r, lora_alpha, target_modules=
 ["q_proj", "v_proj"], lora_dropout=0)`` on the model :func:`~course_lib.model.hf_export.export_hf` writes;
-tests/test_lora.py runs the two side by side.
+tests/model/test_lora.py runs the two side by side.
 
 The base need not be an ``nn.Linear``: any frozen stand-in for one that says so (class attribute
 ``frozen_linear = True``) and has ``in_features``, ``out_features``, ``bias`` and ``weight`` (the dense
 [d_out, d_in] matrix it computes with) can carry an adapter. QLoRA (Dettmers et al. 2023, §3) is exactly
 that: the base stored in 4-bit NF4 (:class:`course_lib.precision.nf4.NF4Linear`), the adapter in full
-precision, ``apply_lora(quantize_linears(model, targets), targets)`` (tests/test_qlora.py). This file does
+precision, ``apply_lora(quantize_linears(model, targets), targets)`` (tests/precision/test_qlora.py). This file does
 not import the quantized layer: the attribute is the whole contract.
 """
 

@@ -22,7 +22,7 @@ Both use non-reentrant checkpointing (``use_reentrant=False``), the implementati
 recommends: it saves the inputs itself, works with ``torch.autograd.grad`` and with inputs that do
 not require grad, and stops recomputing as soon as backward has what it needs ("early stop").
 
-Gradients are bit-equal to those without checkpointing (tests/test_recompute.py): the recompute
+Gradients are bit-equal to those without checkpointing (tests/model/test_recompute.py): the recompute
 replays the same kernels on the same inputs in the same order. checkpoint also restores the RNG
 state before it recomputes (``preserve_rng_state``, on by default), so a random op (the noisy MoE
 router) draws the same numbers twice.

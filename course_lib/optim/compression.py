@@ -37,7 +37,7 @@ residual e_r and add it to the next gradient:
     p = g_r + e_r        send C(p)        e_r ← p − C(p)
 
 Summed over steps this telescopes: Σ_t applied_t = Σ_t ḡ_t − (1/W)·Σ_r e_r. Nothing is lost, only
-delayed, and the gap is one residual however long training runs (tests/test_compression.py checks
+delayed, and the gap is one residual however long training runs (tests/optim/test_compression.py checks
 the identity). QSGD needs none: it is unbiased, E[C(g)] = g.
 """
 

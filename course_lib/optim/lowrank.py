@@ -14,7 +14,7 @@ always r × max(m, n). State per matrix, in elements (GaLore Table 1):
 
     AdamW:  2·m·n                 GaLore:  2·r·max(m, n) + r·min(m, n)     (moments + projector)
 
-(the formula is :func:`course_lib.cost.memory.galore_state_elements`; tests/test_lowrank.py measures it)
+(the formula is :func:`course_lib.cost.memory.galore_state_elements`; tests/optim/test_lowrank.py measures it)
 
 which for m = n = 4096, r = 128 is 4.7% of AdamW's (the moments alone are r/m = 3.1%). Unlike LoRA
 (:mod:`course_lib.model.lora`) every weight still trains, and over many refreshes the sum of the updates

@@ -5,7 +5,7 @@ as torch's ``powerSGD_hook`` implements it: one power iteration per step, warm-s
 step's Q, with error feedback. Unlike the sparse and quantised hooks of
 :mod:`course_lib.optim.compression` (the hook interface, the byte table and error feedback are
 explained there), its factors can be summed on the way, Σ_r M_r·Q = (Σ_r M_r)·Q, so it all-reduces
-and its traffic does not grow with the world size. Tested in tests/test_compression.py, against torch's hook.
+and its traffic does not grow with the world size. Tested in tests/optim/test_compression.py, against torch's hook.
 """
 
 import math

@@ -2,7 +2,7 @@
 
 Part 2 of three on FP8 training: the operands come from :func:`course_lib.precision.fp8_scaling.quantize`
 as (q, s) pairs; :mod:`course_lib.precision.fp8_linear` runs a layer's three GEMMs with this one.
-Tested in tests/test_fp8.py (and on a GPU, tests/test_device_fp8.py).
+Tested in tests/precision/test_fp8.py (and on a GPU, tests/precision/test_device_fp8.py).
 
 **The GEMM.** With K the contraction dimension and both operands holding it last (a [M, K],
 b [N, K], as x and W of y = x Wᵀ), :func:`fp8_matmul` computes
@@ -143,7 +143,7 @@ def _tensor_core_matmul(
     Truncation loses less than one unit in the last place each time, 2^−13 of the running sum, so
     for positive products the relative error is below (number of truncations) · 2^−13:
     K/32 · 2^−13 ≈ 1.6 % for K = 4096 without promotion, N_C/32 · 2^−13 ≈ 0.05 % with it (measured
-    on |N(0, 1)| operands: 0.34 % and 0.013 %, tests/test_fp8.py). Left out: the hardware also
+    on |N(0, 1)| operands: 0.34 % and 0.013 %, tests/precision/test_fp8.py). Left out: the hardware also
     truncates each product when it aligns the 32 to their largest exponent, part of DeepSeek's 2 %.
     """
     (qa, sa), (qb, sb) = a, b

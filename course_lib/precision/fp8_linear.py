@@ -1,8 +1,8 @@
 """The FP8 linear layer: y = x Wᵀ + b and its backward in FP8, and the swap of a model's linears.
 
 Part 3 of three on FP8 training: the layer quantizes with :mod:`course_lib.precision.fp8_scaling`
-and multiplies with :func:`course_lib.precision.fp8_gemm.fp8_matmul`. Tested in tests/test_fp8.py and,
-for whole training runs, tests/test_fp8_training.py.
+and multiplies with :func:`course_lib.precision.fp8_gemm.fp8_matmul`. Tested in tests/precision/test_fp8.py and,
+for whole training runs, tests/experiments/test_fp8_training.py.
 
 **The layer.** :class:`FP8Linear` runs y = x Wᵀ + b with e4m3 x and W and its backward with an
 e5m2 output gradient (the "hybrid" format of Micikevicius et al. 2022 and of Transformer Engine;

@@ -1,7 +1,7 @@
 """FP8 scaling: the two formats, a scale per group of elements (five recipes), quantize and dequantize.
 
 Part 1 of three on FP8 training (then :mod:`course_lib.precision.fp8_gemm`, the GEMM on quantized
-operands, and :mod:`course_lib.precision.fp8_linear`, the layer). Tested in tests/test_fp8.py.
+operands, and :mod:`course_lib.precision.fp8_linear`, the layer). Tested in tests/precision/test_fp8.py.
 
 **The formats** (Micikevicius et al. 2022, "FP8 Formats for Deep Learning"; bit layouts in
 :mod:`course_lib.precision.formats`):

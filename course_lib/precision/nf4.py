@@ -36,7 +36,7 @@ QLoRA's frozen base (§3, eq. 5): the weight is *stored* in NF4 and *computed wi
 dtype, dequantized on the fly, Y = X · doubleDequant(c₂, c_b, W_NF4)ᵀ. :class:`NF4Linear` is that layer, a
 frozen stand-in for ``nn.Linear`` (no parameters: nothing of it trains); :func:`quantize_linears` swaps it in
 for a model's linear layers. With :func:`course_lib.model.lora.apply_lora` on top, only the adapters train:
-QLoRA = ``apply_lora(quantize_linears(model, targets), targets)`` (tests/test_qlora.py, against bitsandbytes'
+QLoRA = ``apply_lora(quantize_linears(model, targets), targets)`` (tests/precision/test_qlora.py, against bitsandbytes'
 ``Linear4bit``).
 """
 
@@ -242,7 +242,7 @@ class NF4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Dequantize, then one ordinary GEMM: bitsandbytes' CPU path does the same (F.linear on the dequantized
-        # weight), which is why the two agree bit for bit when their stored constants agree (tests/test_qlora.py).
+        # weight), which is why the two agree bit for bit when their stored constants agree (tests/precision/test_qlora.py).
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:

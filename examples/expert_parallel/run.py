@@ -88,7 +88,7 @@ def run(args) -> None:
     say(f"dispatch bytes per rank and layer, all ranks: {[e.tolist() for e in every]}; formula {formula:.0f}")
     if all(v == formula for e in every for v in e.tolist()):
         say("dispatch bytes per rank and layer: measured == ep_dispatch_bytes + ids + split sizes")
-    # within steps·255·u of the loss: the order of fp32 sums (tests/test_expert_training.py derives it)
+    # within steps·255·u of the loss: the order of fp32 sums (tests/experiments/test_expert_training.py derives it)
     if worst <= 1 and not args.fp8:
         say("the expert-parallel loss equals one rank's loss up to the order of fp32 sums")
     elif not args.fp8:

@@ -29,7 +29,7 @@ from course_lib.parallel.compose import dense_names
 
 import capstone as cap
 
-LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-6  # float32 sums in another order: see the README (and tests/test_compose.py)
+LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-6  # float32 sums in another order: see the README (and tests/parallel/test_compose.py)
 CANDIDATES = [
     cap.Layout(dp=8, tp=1, pp=1, m=1),
     cap.Layout(dp=4, tp=2, pp=1, m=1),

@@ -1,7 +1,7 @@
 """Collectives one rank issues in one tensor-parallel block, TP against TP+SP (lecture 02).
 
 Used again by lectures 03 (collectives per layer) and 09 (Megatron-Core). Tested in
-tests/test_sequence_parallel.py, tests/test_tensor_parallel.py and tests/test_exercises.py.
+tests/parallel/tensor/test_sequence_parallel.py, tests/parallel/tensor/test_tensor_parallel.py and tests/grading/test_exercises.py.
 """
 
 from __future__ import annotations

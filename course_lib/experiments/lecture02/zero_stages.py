@@ -5,7 +5,7 @@ bytes moved from :mod:`course_lib.dist.counter`; the formulas from :mod:`course_
 and :mod:`course_lib.cost.collective_bytes`. :func:`zero3_step_memory` adds what the census of persistent
 states leaves out: the allocator's timeline through one ZeRO-3 step, with its transient gathers.
 
-Tested in tests/test_memory.py.
+Tested in tests/measure/test_memory.py.
 """
 
 from __future__ import annotations

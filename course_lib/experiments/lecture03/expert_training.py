@@ -1,4 +1,4 @@
-"""Expert parallelism measured (lecture 03, tests/test_expert_training.py, benchmarks/bench_expert.py).
+"""Expert parallelism measured (lecture 03, tests/experiments/test_expert_training.py, benchmarks/bench_expert.py).
 
 * :func:`train_moe` trains the small MoE course model at ``ep_size`` ranks (expert parallel, each rank
   a share of every global batch; ep_size 1 runs the plain model) and returns its loss curve, the

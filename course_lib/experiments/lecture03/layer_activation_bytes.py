@@ -5,7 +5,7 @@ Korthikanti et al., *Reducing Activation Recomputation in Large Transformer Mode
 Each rank measures its own block with :func:`course_lib.measure.saved_tensors.measure_block`. On CUDA the
 bytes differ from the CPU model by :func:`~course_lib.cost.activations.sdpa_extra_bytes`
 (:func:`model_vs_measurement` adds it to the model of the device that measured).
-Tested in tests/test_activation_memory.py and tests/test_device_measure.py.
+Tested in tests/measure/test_activation_memory.py and tests/measure/test_device_measure.py.
 """
 
 from __future__ import annotations

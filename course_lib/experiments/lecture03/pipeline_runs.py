@@ -1,5 +1,5 @@
 """course_lib's pipeline runtime beside torch.distributed.pipelining, schedule by schedule (lecture 03,
-tests/test_pipeline.py, benchmarks/bench_pipeline.py).
+tests/parallel/pipeline/test_pipeline.py, benchmarks/bench_pipeline.py).
 
 Both get the same stages (``course_lib.parallel.pipeline.stages.split`` of one seeded model), the
 same micro-batches and the same loss; each runs one training step; the gradients are compared

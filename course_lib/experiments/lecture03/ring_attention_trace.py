@@ -1,6 +1,6 @@
 """One traced ring-attention forward and backward on N ranks, for lecture 03's overlap timeline.
 
-Tested in tests/test_lecture03.py.
+Tested in tests/lectures/test_lecture03.py.
 """
 
 from __future__ import annotations

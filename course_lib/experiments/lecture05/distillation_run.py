@@ -1,4 +1,4 @@
-"""Distillation of a small course model into a smaller one, measured (lecture 05, tests/test_distill_merge.py).
+"""Distillation of a small course model into a smaller one, measured (lecture 05, tests/optim/test_distill_merge.py).
 
 :func:`distill` trains a *teacher* (the course's ``tiny`` model) on the synthetic Markov language, then two
 copies of one smaller *student* from the same initial weights, on the same batches, for the same steps:

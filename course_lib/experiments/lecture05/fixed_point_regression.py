@@ -6,7 +6,7 @@ squared error, the weights *stored* as 16-bit integers with ``frac_bits`` fracti
 round to nearest or stochastically. The gradient itself is computed in fp32: the point is where the
 update lands, on a grid of fixed spacing.
 
-Tested in tests/test_fixed_point.py.
+Tested in tests/precision/test_fixed_point.py.
 """
 
 # device-guard: host-only: a 256 x 16 worked example computed in this process on the CPU generator, no rank and no device

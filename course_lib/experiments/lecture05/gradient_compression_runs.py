@@ -3,7 +3,7 @@
 One launch trains the same model from the same seed on the same batches once per hook (and once
 uncompressed), on 2 ranks of the course DDP, and records per step the global loss and the bytes
 this rank handed to the collectives (``course_lib.dist.counter``): the two axes of the
-bytes-versus-quality trade-off of lecture 05 and the convergence checks of tests/test_compression.py.
+bytes-versus-quality trade-off of lecture 05 and the convergence checks of tests/optim/test_compression.py.
 The batches come from :func:`course_lib.experiments.small_run.batches`; the loop is its own, not the shared
 one: the counter must enclose forward and backward together (the hooks' collectives run inside backward),
 and the loss is averaged over the ranks.

@@ -25,7 +25,7 @@ Measured (defaults: 100 steps, batch 16 x 32 tokens, last 10 steps; one thread; 
 
 Over 6 seeds the gaps to bf16 reach 4.7 % for fp32 and 5.4 % for FP8, with no sign in their mean,
 against a seed-to-seed spread of bf16 of 4 % (std): at 100 steps of a tiny model the gap is the
-noise of a fast-descending trajectory, not FP8's bias (tests/test_fp8_training.py derives its
+noise of a fast-descending trajectory, not FP8's bias (tests/experiments/test_fp8_training.py derives its
 threshold from this). An FP8 step costs 2-3 times a bf16 one here: the casts and the GEMM are
 emulated in eager PyTorch (benchmarks/bench_fp8.py times the GEMMs on their own).
 

@@ -1,4 +1,4 @@
-"""QLoRA on the course model, measured (lecture 05, tests/test_qlora.py).
+"""QLoRA on the course model, measured (lecture 05, tests/precision/test_qlora.py).
 
 QLoRA (Dettmers et al. 2023) = a frozen base stored in 4-bit NF4 with double quantization (§3) + LoRA adapters
 on every linear layer of the blocks (§4), trained in full precision. The two pieces live in their layers —

@@ -6,7 +6,7 @@ projections plus one attention row over L cached keys. :func:`decode_speed` time
 same model and prompts, for lecture 06 and benchmarks/bench_kv_cache.py. Times are wall-clock on this machine: compare the
 columns of one run, not runs on different days.
 
-benchmarks/bench_kv_cache.py runs it at larger sizes; tests/test_device_measure.py checks that it times with
+benchmarks/bench_kv_cache.py runs it at larger sizes; tests/measure/test_device_measure.py checks that it times with
 the synchronising clock.
 """
 

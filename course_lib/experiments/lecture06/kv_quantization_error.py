@@ -1,4 +1,4 @@
-"""The quantized KV cache measured on the course model (lecture 06). Tested in tests/test_quantized_kv.py.
+"""The quantized KV cache measured on the course model (lecture 06). Tested in tests/inference/test_quantized_kv.py.
 
 :mod:`course_lib.inference.quantized_cache` stores K/V in INT8/INT4 (KIVI), :mod:`course_lib.inference.cachegen` compresses them for sending (CacheGen);
 :func:`course_lib.cost.memory.quantized_kv_cache_bytes` predicts the bytes. Here is what they cost in accuracy:

@@ -4,7 +4,7 @@ The course model is exported (:func:`course_lib.model.hf_export.export_hf`) and 
 ``transformers.LlamaForCausalLM``; both stacks then generate with a quantized cache at the same bits, group
 size and window (:func:`hf_side_by_side`), and their bytes and logits are set side by side. The measurement
 along the course model's own K/V is :mod:`course_lib.experiments.lecture06.kv_quantization_error` (KIVI: Liu et
-al. 2024). Tested in tests/test_quantized_kv.py.
+al. 2024). Tested in tests/inference/test_quantized_kv.py.
 
 Measured (``small`` after ``train_briefly()``; fp32; one thread), for the lecture:
 

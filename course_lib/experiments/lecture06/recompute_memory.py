@@ -1,6 +1,6 @@
 """Activation checkpointing measured (lecture 06): bytes kept, peak, step time and torch.compile's
 activation memory budget, beside the model of :mod:`course_lib.cost.activations`
-(``recompute_peak_bytes``, ``recompute_flops``; tests/test_recompute.py, benchmarks/bench_recompute.py).
+(``recompute_peak_bytes``, ``recompute_flops``; tests/model/test_recompute.py, benchmarks/bench_recompute.py).
 
     measure_recompute(cfg, batch, seq_len, "selective")   {"saved", "peak", "saved_hooks"} in bytes
     model_vs_measurement(cfg, batch, seq_len)             one row per policy, model and measurement

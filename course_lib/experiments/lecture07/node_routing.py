@@ -4,7 +4,7 @@ The course MoE router (:class:`course_lib.model.moe.Router`, whose ``n_groups``/
 DeepSeek-V3's node-limited routing) on random tokens, and how many distinct nodes each token's k experts
 live on: the number of InfiniBand crossings of its dispatch once NVLink forwards inside a node (Zhao et
 al., *Insights into DeepSeek-V3*, ISCA 2025, §4.3). Set beside
-:func:`course_lib.cost.expert_routing.expected_distinct_nodes`. Tested in tests/test_comm_model.py.
+:func:`course_lib.cost.expert_routing.expected_distinct_nodes`. Tested in tests/cost/test_comm_model.py.
 """
 
 from __future__ import annotations

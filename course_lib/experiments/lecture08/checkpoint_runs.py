@@ -19,8 +19,8 @@ the weights and the data position do. Around it:
 The loop is its own, not :func:`course_lib.experiments.small_run.train`: a run resumes mid-stream (its
 batches come from the saved data position, :class:`course_lib.checkpoint.resume.TrainState`), a rank
 kills itself at a given step, and checkpoints are written between steps; its windows are
-:func:`~course_lib.experiments.small_run.windows`. Tested in tests/test_checkpoint.py and
-tests/test_checkpoint_resume.py.
+:func:`~course_lib.experiments.small_run.windows`. Tested in tests/checkpoint/test_checkpoint.py and
+tests/checkpoint/test_checkpoint_resume.py.
 """
 
 from __future__ import annotations

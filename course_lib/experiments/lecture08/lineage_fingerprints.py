@@ -35,7 +35,7 @@ a 96-wide, 3-layer variant: relatives 6-12; trained on an order-2 language inste
 (strangers below 2.1 in both); a trained model against its own untrained initialisation: 17-20
 (SeedPrints' "birth to lifecycle"). ATEN_CPU_CAPABILITY=default with one thread moves individual
 scores by up to ~2 (training rounds differently, see :mod:`course_lib.experiments.lecture08.reproducibility`)
-and keeps every verdict of tests/test_lineage.py.
+and keeps every verdict of tests/experiments/test_lineage.py.
 """
 
 from __future__ import annotations

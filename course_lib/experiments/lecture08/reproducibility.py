@@ -35,7 +35,7 @@ Re-running one run bit for bit is the *reproducibility* this buys. Getting the s
 hardware needs a fixed reduction order in every kernel (batch-invariant kernels), which standard
 libraries do not promise; lecture 08 discusses what that costs.
 
-Tested in tests/test_reproducibility.py; lab 11's tests use it too (tests/lab_shims.py).
+Tested in tests/experiments/test_reproducibility.py; lab 11's tests use it too (tests/lab_shims.py).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ the lecture says so. Each run takes about a second on one core.
 The runs use the shared loop (:func:`course_lib.experiments.small_run.train`): the objective records the
 cross-entropy and log Z and adds the z-loss, ``after_backward`` clips or measures the gradient norm, the
 scheduler steps after the optimizer; the run stops at the first non-finite loss. Tested in
-tests/test_stability.py.
+tests/optim/test_stability.py.
 """
 
 from __future__ import annotations

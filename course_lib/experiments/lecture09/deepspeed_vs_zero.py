@@ -6,13 +6,13 @@ with both loss curves and a census of the model-state bytes each rank holds
 This file is also the program :func:`deepspeed_versus_zero` launches:
 ``accelerate launch --config_file solutions/accelerate/deepspeed_zero2.yaml -m course_lib.experiments.lecture09.deepspeed_vs_zero``.
 It reuses the lab 3 script (solutions/lab03_zero/train_deepspeed.py: its data, model and course-side
-training loop), so the lecture, the lab and tests/test_deepspeed.py train exactly the same thing. Every
+training loop), so the lecture, the lab and tests/experiments/test_deepspeed.py train exactly the same thing. Every
 framework is told the course's device (:func:`course_lib.experiments.third_party.framework_devices`).
 
 Lightning Fabric and torch's FSDP2 are :mod:`course_lib.experiments.lecture09.fabric_fsdp_vs_course`; the
 pipeline (:mod:`course_lib.experiments.lecture03.pipeline_runs`), Megatron-Core TP
 (:mod:`course_lib.experiments.lecture02.tp_collectives`) and vLLM (``inference.vllm``) comparisons live with
-their own subjects. Tested in tests/test_frameworks.py.
+their own subjects. Tested in tests/experiments/test_frameworks.py.
 """
 
 from __future__ import annotations

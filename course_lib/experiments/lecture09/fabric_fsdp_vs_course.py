@@ -9,7 +9,7 @@ bit for bit. Every framework is told the course's device
 
 The shared training loop of the experiments (:mod:`course_lib.experiments.small_run`) is not used here on
 purpose: each step runs the framework's own calls (``fabric.backward``, FSDP's hooks) beside course_lib's,
-interleaved, and that pairing is what the comparison shows. Tested in tests/test_frameworks.py.
+interleaved, and that pairing is what the comparison shows. Tested in tests/experiments/test_frameworks.py.
 """
 
 from __future__ import annotations

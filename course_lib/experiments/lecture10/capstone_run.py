@@ -5,10 +5,10 @@ with one step of every rank traced for the timeline.
 Both runs start from one seed and see the same global batches of the course language
 (:class:`course_lib.data.MarkovLanguage`), in the same order: the composed run's loss of every step
 and its final parameters (gathered from every stage and tensor-parallel shard) are compared with
-the single process's. tests/test_compose.py derives the tolerances for three steps; the lecture
+the single process's. tests/parallel/test_compose.py derives the tolerances for three steps; the lecture
 states its own for the length of this run.
 
-Tested in tests/test_capstone_measure.py.
+Tested in tests/experiments/test_capstone_measure.py.
 """
 
 from __future__ import annotations

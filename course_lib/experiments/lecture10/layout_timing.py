@@ -11,7 +11,7 @@ and kernel launches). :func:`fit_shared_cores` fits the two constants that only 
 time-sharing — the fixed cost of a pass and the α of a message when 8 ranks take turns on 2 cores —
 on a few probe layouts, so that the planner can rank the others.
 
-Tested in tests/test_planner.py; benchmarks/bench_planner.py runs it at full size.
+Tested in tests/cost/test_planner.py; benchmarks/bench_planner.py runs it at full size.
 """
 
 from __future__ import annotations

@@ -151,7 +151,7 @@ TRAIN_STEPS, TRAIN_BATCH, TRAIN_LR = 40, 512, 0.5
 # Training: SGD with momentum 0.9 is linear in the gradients, so to first order each step's loss change
 # is −lr·∇L·(its update) and inherits the update's relative error. The gradient of a weight leaves an
 # FP8 layer as ĝᵀ x̂: an e5m2 and an e4m3 operand with independent zero-mean roundings, a relative error
-# of about √(2^-6 + 2^-8) = 0.14 (tests/test_fp8.py, FP8Linear against fp32); fc1's gradient has come
+# of about √(2^-6 + 2^-8) = 0.14 (tests/precision/test_fp8.py, FP8Linear against fp32); fc1's gradient has come
 # back through fc2's e5m2/e4m3 GEMM as well: √(0.14² + 0.14²) ≈ 0.2; bf16 (u = 2^-8) adds under 0.01.
 # So the loss decrease of the FP8 run (first loss − mean of the last 5) is within 25 % of the bf16
 # run's. Measured: within 1 %; an FP8 weight quantized once and never from the updated master copy

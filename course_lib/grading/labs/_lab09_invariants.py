@@ -8,7 +8,7 @@ The rest of lab 09's grader lives in lab09_kv_cache.py. Here:
   share their state (``pool``, ``_layers``, each sequence's ``blocks`` and ``num_computed``), so a
   task's check grades that task's code alone: a wrong ``gather_blocks`` cannot fail Task 2's row.
 * :func:`fake_step` and :func:`check_invariants` — a step with (token id, position) for K and V,
-  and the invariants of a whole cache (tests/test_paged_cache.py uses both on course_lib's cache);
+  and the invariants of a whole cache (tests/inference/test_paged_cache.py uses both on course_lib's cache);
 * :func:`check_pool_invariants` — the learner's pool and course_lib's in lockstep over a seeded
   random run of allocate / release / lookup / share / register, the pool's invariants after each;
 * :func:`check_copy_on_write` — a fork, then each sequence's write, one at a time, with what each

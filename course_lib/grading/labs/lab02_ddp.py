@@ -17,7 +17,7 @@ rebuilds its buckets at the next forward; the reference takes that warm-up step 
 comparison, so from then on its buckets are the ones the lab asks for.
 
 The checks take an :class:`~course_lib.grading.adapter.Adapter` with the roles of :data:`ROLES`: the
-grader passes the learner's ``ddp.py``; tests/test_lab_checks.py passes course_lib's own
+grader passes the learner's ``ddp.py``; tests/grading/test_lab_checks.py passes course_lib's own
 ``DistributedDataParallel`` (and its bucket rule and broadcast, through shims for the lab's signatures).
 
 Every comparison is bit-equal (no tolerance): the same buckets, the same layout inside each bucket,

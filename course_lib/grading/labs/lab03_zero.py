@@ -13,7 +13,7 @@ backward and keeps no full gradient, ZeRO-3 holds one unit at a time and moves 3
 Bit-equality is fair: adamw_ (given) does torch's arithmetic, and a 2-term sum has one order.
 
 The checks take an :class:`~course_lib.grading.adapter.Adapter` with the roles of :data:`ROLES`: the
-grader passes the learner's ``zero.py``, tests/test_lab_checks.py passes course_lib's own
+grader passes the learner's ``zero.py``, tests/grading/test_lab_checks.py passes course_lib's own
 ``Zero`` (course_lib.parallel.data.zero), whose constructor, ``units`` and ``_gather`` are the lab's.
 
 What each rank runs is in _lab03_ranks.py; the checks here launch it and compare.

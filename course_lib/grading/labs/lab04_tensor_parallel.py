@@ -16,7 +16,7 @@ from ``dist.get_rank()`` instead of the rank in the group, loses points; the cou
 collectives ``all_reduce@ranks[0,1]``, so a call on the world is seen even where it adds nothing.
 
 The checks take an :class:`~course_lib.grading.adapter.Adapter` with the roles of :data:`ROLES`: the
-grader passes the learner's ``tensor_parallel.py``, tests/test_lab_checks.py passes course_lib's
+grader passes the learner's ``tensor_parallel.py``, tests/grading/test_lab_checks.py passes course_lib's
 own f, g and layers (course_lib.parallel.tensor.comms and .layers).
 """
 

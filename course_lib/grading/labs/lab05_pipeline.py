@@ -24,7 +24,7 @@ simulator's costs are whole numbers (F = 1, B = 2 time units per stage or chunk 
 fraction does not depend on the unit), so its times are exact.
 
 The checks take an :class:`~course_lib.grading.adapter.Adapter` with the roles of :data:`ROLES`: the
-grader passes the learner's ``pipeline_parallel.py``, tests/test_lab_checks.py passes course_lib's
+grader passes the learner's ``pipeline_parallel.py``, tests/grading/test_lab_checks.py passes course_lib's
 own compute orders and pairing (course_lib.parallel.pipeline.schedules).
 """
 

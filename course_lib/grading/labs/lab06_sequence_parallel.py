@@ -9,7 +9,7 @@ dV N hops); and the zigzag load balance: the grader counts the scores each rank 
 Ulysses (extra credit) must be bit-equal on CPU: its all-to-alls only move data.
 
 The checks take an :class:`~course_lib.grading.adapter.Adapter` with the roles of :data:`ROLES`: the
-grader passes the learner's ``sequence_parallel.py``, tests/test_lab_checks.py passes course_lib's own
+grader passes the learner's ``sequence_parallel.py``, tests/grading/test_lab_checks.py passes course_lib's own
 ring attention and Ulysses.
 """
 

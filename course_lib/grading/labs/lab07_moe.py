@@ -16,7 +16,7 @@ Graded (each task on its own: a check uses course_lib's pieces for everything bu
   combine — gives the outputs and gradients of the same layer computed on one rank.
 
 The checks take an :class:`~course_lib.grading.adapter.Adapter` with the roles of :data:`ROLES`: the
-grader passes the learner's ``mixture_of_experts.py``, tests/test_lab_checks.py passes course_lib's
+grader passes the learner's ``mixture_of_experts.py``, tests/grading/test_lab_checks.py passes course_lib's
 own router, loss, dispatch and combine (course_lib.model.moe, course_lib.parallel.expert.dispatch).
 
 The checks live beside this file: Tasks 1 and 2 (the router, the balancing loss) in _lab07_routing.py,

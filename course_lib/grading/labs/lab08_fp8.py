@@ -15,7 +15,7 @@ Graded (each task on its own: a check uses course_lib's pieces for everything bu
   model under bf16 autocast, on the same data and seed.
 
 The checks take an :class:`~course_lib.grading.adapter.Adapter` with the roles of :data:`ROLES`: the
-grader passes the learner's ``fp8.py``; tests/test_lab_checks.py passes course_lib's own
+grader passes the learner's ``fp8.py``; tests/grading/test_lab_checks.py passes course_lib's own
 (course_lib.precision.fp8_scaling and fp8_linear, with a shim for the lab's ``amax=`` argument in tests/lab_shims.py).
 
 The checks live beside this file: Tasks 1 and 2 (scales, groups) in _lab08_scaling.py, Tasks 3 and 4

@@ -24,8 +24,8 @@ Graded, each task on its own (:func:`~._lab09_invariants.only_task` runs the lea
   4% waste.
 
 The checks take an :class:`~course_lib.grading.adapter.Adapter` with the roles of :data:`ROLES`:
-the grader passes the learner's ``paged_cache.py``; tests/test_lab_checks.py passes
-course_lib.inference.paged, and tests/test_paged_cache.py uses :func:`fake_step` and
+the grader passes the learner's ``paged_cache.py``; tests/grading/test_lab_checks.py passes
+course_lib.inference.paged, and tests/inference/test_paged_cache.py uses :func:`fake_step` and
 :func:`check_invariants` on the library's cache directly.
 """
 

@@ -23,10 +23,10 @@ Graded:
   (``run.py --measure`` shows them beside the predictions, ungraded).
 
 The checks take an :class:`~course_lib.grading.adapter.Adapter` with the roles of :data:`ROLES`: the
-grader passes the learner's ``capstone.py``; tests/test_lab_checks.py passes course_lib's Mesh,
+grader passes the learner's ``capstone.py``; tests/grading/test_lab_checks.py passes course_lib's Mesh,
 ``check_layout`` and ``Composed`` (course_lib's planner has another model and interface, so traffic and
-pick run on the reference solution in tests/test_labs.py and on planted bugs in
-tests/test_lab10_capstone.py).
+pick run on the reference solution in tests/labs/test_labs.py and on planted bugs in
+tests/labs/test_lab10_capstone.py).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ G, S, LR, STEPS = 8, 16, 0.1, 3
 # by 128·u ≈ 7.6e-6 relative -> 1e-5; parameters move by lr·g with |g| ≲ 1, three steps of
 # gradients off by 128·u·Σ|g| give well under 1e-6 (measured: under 1e-7). A wrong split (rows,
 # a missing 1/dp or 1/m) moves the loss by 1e-2 and the parameters by 1e-3 or more.
-# (Derived in tests/test_compose.py, which checks course_lib's composition with the same numbers.)
+# (Derived in tests/parallel/test_compose.py, which checks course_lib's composition with the same numbers.)
 LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-6
 # step_seconds against the grader's: the same formula on the same integers, summed in another order
 # over at most a few dozen float64 terms: 1e-9 relative is 10^7 ulps of room, a wrong term is >1%.
@@ -197,7 +197,7 @@ def check_coordinates(impl: Adapter) -> None:
 def _refusals():
     """(layout, config, words, what): each breaks exactly ONE of check_layout's rules, so that a missing
     rule shows (a case breaking several is refused by any one of them); the message must say one of
-    ``words``. tests/test_lab10_capstone.py proves, with the rules written there, that each breaks one only."""
+    ``words``. tests/labs/test_lab10_capstone.py proves, with the rules written there, that each breaks one only."""
     cfg = _cfg()  # 4 heads, 2 K/V heads, vocabulary 64, d_ff 192, 4 blocks
     return (
         (Layout(tp=4), cfg, ("heads",), "tp=4 with 2 key/value heads (it divides the 4 attention heads)"),

@@ -20,11 +20,11 @@ Tasks 1-4 are graded on their own; Task 5, the loop ``train`` that calls them al
   declares the checks of the tasks ``train`` calls as ``needs``.
 
 Tasks 1, 3 and 4's checks also run on course_lib's own checkpoint commit, SpikeGuard, deterministic
-mode and rank-order all-reduce in tests/test_lab_checks.py (except the killed save, which injects its
+mode and rank-order all-reduce in tests/grading/test_lab_checks.py (except the killed save, which injects its
 fault through the lab's ``write_shards``); Task 2's and Task 5's need the lab's own ``capture``,
-``restore`` and ``train``, and run on the reference solution in tests/test_labs.py and on planted bugs
-in tests/test_lab11_fault_tolerance.py (course_lib's own loop meets the same attacks in
-tests/test_checkpoint_resume.py).
+``restore`` and ``train``, and run on the reference solution in tests/labs/test_labs.py and on planted bugs
+in tests/labs/test_lab11_fault_tolerance.py (course_lib's own loop meets the same attacks in
+tests/checkpoint/test_checkpoint_resume.py).
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ buckets, same layout, same pre-division) makes our gradients *bit-equal* to
 gloo all-reduce depends on where an element sits in the buffer (the ring adds the ranks' values
 in an order that depends on the element's segment), so the bucket layout must be torch's; (b)
 ``g·(1/W)`` summed is not ``(Σ g)/W`` in floating point unless W is a power of two, so "divide
-after the sum" differs from torch by rounding at W = 3 (tests/test_ddp.py checks both facts).
+after the sum" differs from torch by rounding at W = 3 (tests/parallel/data/test_ddp.py checks both facts).
 
 Limits, said once: every parameter must receive a gradient in every synchronised backward (no
 ``find_unused_parameters``), all parameters share one dtype and device, and buffers are broadcast

@@ -34,8 +34,8 @@ up to k + 1 units gathered at once (:func:`course_lib.cost.memory.zero3_gathered
     zero.zero_grad()
 
 Collectives are called as ``dist.reduce_scatter_single`` / ``dist.all_gather_single`` so that
-:mod:`course_lib.dist.counter` counts them. Tested in tests/test_zero.py and by lab 03's grader
-checks (tests/test_lab_checks.py).
+:mod:`course_lib.dist.counter` counts them. Tested in tests/parallel/data/test_zero.py and by lab 03's grader
+checks (tests/grading/test_lab_checks.py).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ is zero and stays zero: its gradient is zero.
 
 Every rank keeps its shards of all units concatenated in *rank-local shard tensors* (the Adam
 moments, the master weights, the gradient shard, the parameter shard); a unit's piece of such a
-tensor starts at ``Unit.offset``. Tested in tests/test_zero.py.
+tensor starts at ``Unit.offset``. Tested in tests/parallel/data/test_zero.py.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ GShard (Lepikhin et al. 2020, §2.2) and every MoE system since: after routing, 
      times its gate, to its token.
 
 Payload per rank and layer: its kept assignments x d_model x bytes per element out, as many rows
-back as it received, plus the expert ids and the counts (tests/test_expert_parallel.py counts them).
+back as it received, plus the expert ids and the counts (tests/parallel/expert/test_expert_parallel.py counts them).
 The token all-to-alls go through :class:`AllToAllRows`, a small autograd Function whose backward is
 the reverse all-to-all (an all-to-all only permutes rows across ranks, and a permutation's transpose
 is its inverse), so gradients reach the experts' weights on their ranks and the tokens on theirs.
@@ -135,7 +135,7 @@ class FP8AllToAll(AllToAllRows):
                                             bits, round to nearest: half an ulp is 2^-4 of the value)
         |x̂ - x| <= 2^-10 · scale            below it (subnormal e4m3: spacing 2^-9, half of it 2^-10)
 
-    so |x̂ - x| <= 2^-4 |x| + 2^-10 · amax/448 over the block (tests/test_expert_training.py).
+    so |x̂ - x| <= 2^-4 |x| + 2^-10 · amax/448 over the block (tests/experiments/test_expert_training.py).
 
     Backward: the rounding is treated as the identity (a straight-through estimator: dx̂/dx = 1),
     and the gradient rows travel back by the reverse all-to-all in the gradient's own precision.

@@ -29,9 +29,9 @@ activations freed, which ``peak_in_flight`` counts. An optional ``observer`` see
 each release: :class:`course_lib.measure.stage_activations.StageActivationMeter` counts the bytes
 autograd saves with it (the executor itself measures nothing).
 
-Tested in tests/test_pipeline.py (every schedule's losses and gradients bit for bit those of the
+Tested in tests/parallel/pipeline/test_pipeline.py (every schedule's losses and gradients bit for bit those of the
 unpipelined model and of torch.distributed.pipelining, at p = 2 and 4) and by the grader checks of
-course_lib/grading/labs/lab05_pipeline.py (_lab05_step.py), run through tests/test_lab_checks.py.
+course_lib/grading/labs/lab05_pipeline.py (_lab05_step.py), run through tests/grading/test_lab_checks.py.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ what it needs next. Two rules:
    with the same tags (``p2p.exchange`` takes one tag per batch, so the batch is built here with
    each message's own), and on gloo the numbers are bit for bit those of a blocking receive.
 
-Tested in tests/test_pipeline.py (``test_messages_are_received_in_the_order_they_were_sent``; every
-schedule run at p = 2 and 4) and tests/test_device_parallel.py (the batches NCCL sees).
+Tested in tests/parallel/pipeline/test_pipeline.py (``test_messages_are_received_in_the_order_they_were_sent``; every
+schedule run at p = 2 and 4) and tests/parallel/test_device_parallel.py (the batches NCCL sees).
 """
 
 from __future__ import annotations

@@ -33,8 +33,8 @@ The schedules, each a function of (p, m[, v]):
     dualpipev    two stages per rank in a V, forward of one paired with backward of the other
                  (DeepSeek-V3 technical report 2024, §3.2.1, DualPipe; its V-shaped variant); m >= 2p
 
-Tested in tests/test_pipeline.py (lists valid, no deadlock, bubble and in-flight = cost/pipeline.py)
-and by the grader checks of course_lib/grading/labs/lab05_pipeline.py, via tests/test_lab_checks.py.
+Tested in tests/parallel/pipeline/test_pipeline.py (lists valid, no deadlock, bubble and in-flight = cost/pipeline.py)
+and by the grader checks of course_lib/grading/labs/lab05_pipeline.py, via tests/grading/test_lab_checks.py.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ executor records, so one plot draws both.
     sim.bubble_fraction()        # (p - 1) / (m + p - 1) = 3/11 for equal stages
     sim.peak_in_flight()         # [4, 3, 2, 1]: micro-batches whose activations each rank holds
 
-Tested in tests/test_pipeline.py (bubble and in-flight counts against cost/pipeline.py's formulas,
-deadlocks named) and by course_lib/grading/labs/lab05_pipeline.py's checks, via tests/test_lab_checks.py.
+Tested in tests/parallel/pipeline/test_pipeline.py (bubble and in-flight counts against cost/pipeline.py's formulas,
+deadlocks named) and by course_lib/grading/labs/lab05_pipeline.py's checks, via tests/grading/test_lab_checks.py.
 """
 
 from __future__ import annotations

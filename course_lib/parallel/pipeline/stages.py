@@ -11,7 +11,7 @@ from exactly the weights of the non-pipelined model. With tied embeddings the fi
 stage each hold a copy of the shared matrix; :func:`sum_tied_gradients` gives both the sum of their
 gradients after the backward pass (Megatron-LM's "embedding group"), which keeps the two copies equal.
 
-Tested in tests/test_pipeline.py (balance, split, tied embeddings kept in sync).
+Tested in tests/parallel/pipeline/test_pipeline.py (balance, split, tied embeddings kept in sync).
 """
 
 from __future__ import annotations
