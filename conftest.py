@@ -14,6 +14,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent
 TMP = ROOT / "build" / "tmp" / f"pytest-{os.getpid()}"
 
@@ -35,3 +37,12 @@ def pytest_unconfigure(config):
     # Not now: multiprocessing removes this interpreter's own pymp-* folder in TMP at exit, with a
     # finalizer of priority -100; one of priority -101 runs after it and removes the rest.
     multiprocessing.util.Finalize(None, shutil.rmtree, args=(TMP,), kwargs={"ignore_errors": True}, exitpriority=-101)
+
+
+def pytest_collection_modifyitems(items):
+    """A lecture under nbval runs alone (marker ``serial``, see course_lib/cli.py): its cells time a
+    pipeline's bubble, collectives and kernels against their models, which a test sharing the cores
+    would move (lecture 03's measured bubble missed its 15% by 1 point beside another worker)."""
+    for item in items:
+        if item.path.suffix == ".ipynb":
+            item.add_marker(pytest.mark.serial)

@@ -111,8 +111,8 @@ def portability(labs_only: bool = False) -> int:
     return 0 if all(ok for _, _, ok in rows) else 1
 
 
-# The suite runs on WORKERS pytest-xdist processes, a file to each at a time (a notebook's cells share
-# one kernel, so a file stays whole); what times something against a model runs afterwards, alone.
+# The suite runs on WORKERS pytest-xdist processes, a file to each at a time; what times something
+# against a model (marker serial: a few tests, and every lecture under nbval) runs afterwards, alone.
 WORKERS = 2
 
 
@@ -134,7 +134,7 @@ def test(extra: list[str]) -> int:
         base.insert(3, "tests")
         tier = ""
     shared = [*base, "-m", f"{tier}not serial", "-n", str(WORKERS), "--dist", "loadfile", *rest]
-    alone = [sys.executable, "-m", "pytest", "tests", "-m", f"{tier}serial", *rest]
+    alone = [*base, "-m", f"{tier}serial", *rest]
     code = 0
     for cmd in (shared, alone):
         print(" ".join(cmd[2:]), flush=True)

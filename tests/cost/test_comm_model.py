@@ -132,6 +132,7 @@ def measured(timed_and_fitted):
     return timed_and_fitted[0]
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_time_collectives_returns_every_collective_and_size(measured):
     sizes = message_sizes()
@@ -142,6 +143,7 @@ def test_time_collectives_returns_every_collective_and_size(measured):
         assert times[sizes[-1]] > 5 * times[sizes[0]], f"{name}: 24 MiB should cost far more than 16 B"
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("name", COLLECTIVES)
 @pytest.mark.slow
 def test_alpha_beta_predicts_held_out_sizes_within_25_percent(timed_and_fitted, name):
