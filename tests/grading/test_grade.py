@@ -1,5 +1,6 @@
 """The grading engine: each task in its own process with its own timeout, feedback that teaches."""
 
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -12,7 +13,16 @@ from course_lib.dist import device, launch
 from course_lib.grading import grade
 from course_lib.grading.adapter import Adapter
 from course_lib.grading.expect import raises
-from course_lib.grading.grade import Result, Task, _run_check, blame_prerequisites, report, run_task, select
+from course_lib.grading.grade import (
+    Result,
+    Task,
+    _run_check,
+    blame_prerequisites,
+    report,
+    run_task,
+    run_tasks,
+    select,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,6 +71,28 @@ def test_a_hanging_submission_loses_its_points_and_grading_goes_on(tmp_path):
     assert "timed out after 2 s" in results[0].feedback
     assert "ranks [1]" in results[1].feedback and "timed out" in results[1].feedback, results[1].feedback
     assert [r.earned for r in results] == [0, 0, 1]
+
+
+def _kills_its_process(impl):
+    os._exit(3)  # a submission that ends the interpreter: no exception, no traceback
+
+
+def test_one_worker_survives_a_hang_and_is_replaced_after_a_crash(tmp_path):
+    """The checks of one grading share a worker (course_lib/grading/runner.py): a check that runs out of
+    time is stopped by its timer and the worker goes on; a check that ends the worker's process costs
+    its task, and the checks after it run in a new worker."""
+    lab = Adapter.of_file(tmp_path / "somewhere.py", ["answer"])
+    tasks = [
+        Task("hangs", 3, _hangs, timeout=2),
+        Task("fine after the hang", 1, _passes),
+        Task("kills the worker", 2, _kills_its_process),
+        Task("fine after the crash", 1, _passes),
+    ]
+    results = run_tasks(tasks, lab)
+    assert [r.task.name for r in results] == [t.name for t in tasks]
+    assert [r.passed for r in results] == [False, True, False, True], [(r.task.name, r.feedback) for r in results]
+    assert "timed out after 2 s" in results[0].feedback, results[0].feedback
+    assert "exited with code 3" in results[2].feedback, results[2].feedback
 
 
 def test_feedback_is_one_line_that_says_what_to_look_at(tmp_path):
