@@ -112,8 +112,13 @@ def portability(labs_only: bool = False) -> int:
 
 
 # The suite runs on WORKERS pytest-xdist processes, a file to each at a time; what times something
-# against a model (marker serial: a few tests, and every lecture under nbval) runs afterwards, alone.
+# against a model (marker serial: a few tests, and the lectures that time something) runs afterwards, alone.
 WORKERS = 2
+# The shared phase gives each worker one thread (OpenMP threads that sleep when idle, not spin). With
+# torch's default, a thread per core in each worker, every parallel region waited at its barrier for a
+# thread the other worker had descheduled: lab 09's grading took 61-71 s beside one busy process, 6-10 s
+# with these settings, and 6 s on a quiet machine (BENCHMARKS.md, "The test suite after issue 29").
+SHARED_THREADS = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def test(extra: list[str]) -> int:
@@ -121,7 +126,7 @@ def test(extra: list[str]) -> int:
 
     ``--fast``: the contributor's loop, tests/ without the tests marked slow and without nbval (the
     markers are described in pyproject.toml). Two runs of pytest: first everything not marked serial,
-    spread over WORKERS processes, then the serial tests alone; extra arguments go to both. The
+    spread over WORKERS processes of one thread each, then the serial tests alone; extra arguments go to both. The
     ``course`` script points TMPDIR at build/tmp/ for everything the tests start, and removes it.
     """
     fast = "--fast" in extra
@@ -136,9 +141,9 @@ def test(extra: list[str]) -> int:
     shared = [*base, "-m", f"{tier}not serial", "-n", str(WORKERS), "--dist", "loadfile", *rest]
     alone = [*base, "-m", f"{tier}serial", *rest]
     code = 0
-    for cmd in (shared, alone):
+    for cmd, env in ((shared, {**os.environ, **SHARED_THREADS}), (alone, None)):
         print(" ".join(cmd[2:]), flush=True)
-        result = subprocess.call(cmd, cwd=ROOT)
+        result = subprocess.call(cmd, cwd=ROOT, env=env)
         # 5: pytest collected nothing (arguments that select only tests of the other run)
         code = code or (0 if result == 5 else result)
     return code

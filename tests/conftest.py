@@ -75,7 +75,9 @@ def accelerate_launch(free_port):
 
 def pytest_collection_modifyitems(items):
     """A test that runs a whole program under ``accelerate launch`` is slow (new processes import torch,
-    accelerate and the course): ``./course test --fast`` leaves it out, the whole suite runs it."""
+    accelerate and the course): ``./course test --fast`` leaves it out, the whole suite runs it. It is
+    launch-heavy too: benchmarks/flake_loop.py runs it ten times in a row."""
     for item in items:
         if "accelerate_launch" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.launch_heavy)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.data import MarkovLanguage, make_dataset
-from course_lib.dist import backend, device
+from course_lib.dist import backend, device, shutdown
 from course_lib.dist.timing import clock
 from course_lib.model import configs
 from course_lib.model.transformer import Transformer, next_token_loss
@@ -188,12 +188,16 @@ def main() -> None:
         say(f"{i:>4} {a:>10.6f} {b:>10.6f}")
     diff = max(abs(a - b) for a, b in zip(ds_losses, course))
     say(f"ZeRO-{stage}: max |loss difference| over {args.steps} steps = {diff:.2e}")
-    # Release DeepSpeed's engine (ZeRO-3's parameter hooks and their threads) while every rank is still
-    # here, then the process group: leaving both to interpreter exit aborted a rank now and then
-    # ("terminate called without an active exception") after a run that had finished correctly.
+    # End while every rank is still here, as course_lib.dist.shutdown ends the course's runs. accelerate
+    # lets go of DeepSpeed's engine (free_memory destroys it: ZeRO's hooks, and the garbage collection
+    # DeepSpeed had paused), then garbage is collected around destroy_process_group. end_training()
+    # destroyed the group with the engine, and the gloo work objects in its reference cycles, still
+    # alive: freed at interpreter exit instead, they aborted a rank now and then after a correct run
+    # ("terminate called without an active exception").
     accelerator.wait_for_everyone()
-    engine.destroy()
-    accelerator.end_training()
+    del engine
+    accelerator.free_memory()
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -145,6 +145,7 @@ def _refusals(paths):
 
 
 @pytest.mark.slow
+@pytest.mark.launch_heavy  # fault injection: a save killed
 def test_a_save_killed_before_its_manifest_leaves_the_previous_checkpoint(tmp_path):
     root = tmp_path / "run"
     crash = checkpoint_runs.crash_during_save(str(root), save_every=2, crash_at=6)

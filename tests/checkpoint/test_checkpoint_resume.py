@@ -17,7 +17,7 @@ import torch
 from course_lib.checkpoint.commit import step_dir
 from course_lib.experiments.lecture08 import checkpoint_runs
 
-pytestmark = pytest.mark.slow  # fault injection: a rank SIGKILLed and resumed
+pytestmark = [pytest.mark.slow, pytest.mark.launch_heavy]  # fault injection: a rank SIGKILLed and resumed
 
 STEPS, EVERY = 12, 3
 

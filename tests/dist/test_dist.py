@@ -130,6 +130,7 @@ def test_a_rank_that_raises_reaches_the_caller_and_nothing_is_left(tmp_path):
     _assert_nothing_left(tmp_path, 2)
 
 
+@pytest.mark.launch_heavy  # fault injection: a rank hangs or raises
 def test_a_rank_that_hangs_times_out_naming_it_and_nothing_is_left(tmp_path):
     start = time.monotonic()
     with pytest.raises((LaunchTimeout, RankError)) as info:
@@ -143,6 +144,7 @@ def test_a_rank_that_hangs_times_out_naming_it_and_nothing_is_left(tmp_path):
 
 
 @pytest.mark.parametrize("outcome", ["return", "raise", "hang"])
+@pytest.mark.launch_heavy  # fault injection: a rank hangs or raises
 def test_launch_leaves_nothing_in_the_temp_folder(outcome, tmp_path, monkeypatch):
     """The stack-dump folder a launch makes (to say where a hung rank waits) goes when the launch ends."""
     launch(_rank_sum, 1, 1.0)  # multiprocessing's fork server (and its socket folder) lives for the session

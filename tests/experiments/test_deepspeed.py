@@ -18,7 +18,7 @@ import pytest
 
 from course_lib.dist import launch
 
-pytestmark = pytest.mark.slow  # DeepSpeed under accelerate launch
+pytestmark = [pytest.mark.slow, pytest.mark.launch_heavy]  # DeepSpeed under accelerate launch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT_DIR = ROOT / "solutions" / "lab03_zero"

@@ -18,6 +18,7 @@ from course_lib.model import configs
 pytestmark = pytest.mark.slow  # DeepSpeed, FSDP2 and Fabric launched beside the course's code
 
 
+@pytest.mark.launch_heavy  # a framework launched
 def test_deepspeed_zero2_under_accelerate_launch_equals_course_zero2_in_loss_and_bytes():
     """Bit-equal losses (both: one 2-term gradient sum, torch's AdamW on the same shards). Bytes per rank in
     fp32: the ZeRO formula 4Ψ + (4 + 8)Ψ/N for course_lib exactly; DeepSpeed holds the same total made of
@@ -36,6 +37,7 @@ def test_deepspeed_zero2_under_accelerate_launch_equals_course_zero2_in_loss_and
         assert theirs["total"] - formula == 8, f"DeepSpeed's census {theirs} vs formula {formula:,.0f}"
 
 
+@pytest.mark.launch_heavy  # a framework launched
 def test_fsdp2_equals_course_zero3():
     result = fsdp2_versus_zero3(steps=3)
     losses = result[0]["losses"]
@@ -43,6 +45,7 @@ def test_fsdp2_equals_course_zero3():
     assert all(r["parameters_bit_equal"] for r in result), "FSDP2 and course ZeRO-3 parameters differ after 3 steps"
 
 
+@pytest.mark.launch_heavy  # a framework launched
 def test_fabric_ddp_equals_course_ddp_and_fabric_refuses_sharded_strategies_on_a_cpu():
     """Fabric's ddp wraps torch's DDP, which course DDP reproduces bucket for bucket: bit-equal. Its fsdp and
     deepspeed strategies refuse accelerator="cpu" (the libraries themselves run on gloo, see above)."""

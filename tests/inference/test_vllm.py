@@ -18,7 +18,11 @@ from course_lib.model.transformer import Transformer
 
 # course_lib's reference decoding on one thread: the small model's 128-wide matrices gain nothing from
 # a second, which on the shared 2-core machine waits for a busy core (tests/conftest.py, one_thread).
-pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]  # slow: vLLM's engine start-up
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.slow,
+    pytest.mark.launch_heavy,
+]  # vLLM's engine start-up
 
 N_NEW = 16
 LENGTHS = (3, 9, 17, 30)

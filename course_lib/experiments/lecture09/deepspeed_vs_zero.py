@@ -23,6 +23,7 @@ import json
 
 import torch.distributed as dist
 
+from course_lib.dist import shutdown
 from course_lib.dist.census import held_bytes
 from course_lib.experiments.third_party import ROOT, accelerate_launch, framework_devices
 
@@ -108,7 +109,10 @@ def _deepspeed_main(steps: int) -> None:
     course = lab.train_course(stage, steps, ds_config, "tiny")
     course_bytes = _per_rank(course["state_bytes"])
     accelerator.wait_for_everyone()
-    engine.destroy()  # release ZeRO's hooks while every rank is still here (see the lab script)
+    # End as the lab's train_deepspeed.py does, and says why: accelerate lets go of the engine (and
+    # destroys it), then course_lib.dist.shutdown collects garbage around destroy_process_group.
+    del engine, zero_opt, master
+    accelerator.free_memory()
     if accelerator.is_main_process:
         result = {
             "ranks": accelerator.num_processes,
@@ -120,7 +124,7 @@ def _deepspeed_main(steps: int) -> None:
             "course": {"losses": course["losses"], "state_bytes": course_bytes},
         }
         print(RESULT + json.dumps(result), flush=True)
-    accelerator.end_training()
+    shutdown()
 
 
 def main() -> None:
