@@ -13,7 +13,8 @@ How it works, and why each piece is there:
 * Each rank's ``print`` output is collected and shown in rank order when the ranks finish, so a
   notebook's output is the same every run.
 * A rank that raises: the caller gets :class:`RankError` with that rank's number and traceback.
-  A rank that never returns: after ``timeout`` seconds the caller gets :class:`LaunchTimeout`
+  A rank that never returns: ``timeout`` seconds after the last rank started ``fn`` (starting, the
+  process group and unpickling ``fn`` included, has STARTUP_S more), the caller gets :class:`LaunchTimeout`
   naming the ranks that did not finish and the line each was waiting on (Python's faulthandler
   dumps their stacks). Either way, every rank — and anything a rank started — is killed before the
   error is raised: no process is left behind, and the folder of stack dumps is removed.
@@ -49,6 +50,11 @@ from course_lib.dist import trace as tracing
 
 HOST = "127.0.0.1"
 DEFAULT_TIMEOUT_S = 120.0
+# Starting the ranks (the fork server's first preload, the process group, unpickling ``fn``, which
+# imports its module) is bounded apart from ``timeout``: under load it took more than a 4-s timeout
+# by itself, and a test's hanging rank was then reported as "ranks [0, 1]" stuck in imports.
+STARTUP_S = 60.0
+BACKSTOP_S = 10.0  # a rank's own collective timeout is the caller's plus this (see _rank_main)
 
 
 class RankError(RuntimeError):
@@ -120,9 +126,14 @@ def _rank_main(rank: int, world_size: int, port: int, payload: bytes, q, release
             # N ranks share this machine's cores: more threads than cores only slows everyone. A lower
             # limit the caller set (OMP_NUM_THREADS, as ./course test does for its shared phase) holds.
             torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // world_size)))
-        store = dist.TCPStore(HOST, port, world_size, is_master=False, timeout=_td(timeout))
-        runtime.init(rank, world_size, store=store, timeout_s=timeout)
+        # The group's own timeout is the backstop, BACKSTOP_S after the caller's: the caller's fires
+        # first and quotes the line each rank waits on, rather than gloo's "Timed out waiting 3000ms".
+        store = dist.TCPStore(HOST, port, world_size, is_master=False, timeout=_td(timeout + BACKSTOP_S))
+        runtime.init(rank, world_size, store=store, timeout_s=timeout + BACKSTOP_S)
         fn, args, kwargs = cloudpickle.loads(payload)
+        # The caller's clock for ``timeout`` starts at the first rank's start (CLOCK_MONOTONIC is the
+        # machine's, not the process's): before any rank's own collective timeout, so the caller's fires first.
+        q.put(("started", rank, time.monotonic()))
         result = fn(*args, **kwargs)
         q.put(("ok", rank, cloudpickle.dumps(_to_cpu(result))))
     except BaseException:  # everything must reach the caller, KeyboardInterrupt too
@@ -193,7 +204,8 @@ def launch(
 
     Inside ``fn`` the default process group is initialised (gloo+cpu or nccl+cuda, see
     :mod:`course_lib.dist.runtime`), so ``torch.distributed`` can be used directly. ``timeout``
-    bounds the whole run and every collective in it.
+    bounds ``fn``'s run, counted from the moment every rank has started it, and every collective in
+    it; starting the ranks has ``STARTUP_S`` more.
 
     ``trace="run.json"`` records every rank's timeline while ``fn`` runs and writes them as one Chrome
     trace-event file (:func:`course_lib.dist.chrome_trace.write`: open it in ui.perfetto.dev); with
@@ -226,13 +238,17 @@ def launch(
     results: dict[int, Any] = {}
     output: dict[int, list[tuple[str, str]]] = {r: [] for r in range(world_size)}
     error: tuple[int, str] | None = None
-    deadline = time.monotonic() + timeout
+    started: dict[int, float] = {}  # rank -> when it started fn
+    deadline = time.monotonic() + STARTUP_S + timeout
     try:
         for p in procs:
             p.start()
         while len(results) < world_size and error is None:
             try:
-                error = _receive(q, results, output, wait=0.05)
+                everyone_was_started = len(started) == world_size
+                error = _receive(q, results, output, wait=0.05, started=started)
+                if not everyone_was_started and len(started) == world_size:
+                    deadline = min(started.values()) + timeout
             except queue_mod.Empty:
                 dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
                 if dead:
@@ -279,14 +295,17 @@ def launch(
         shutil.rmtree(stack_dir, ignore_errors=True)  # leave nothing behind in the temp folder
 
 
-def _receive(q, results: dict, output: dict, wait: float | None) -> tuple[int, str] | None:
-    """File one message from the ranks (printed text or a result); a rank's error is returned.
+def _receive(q, results: dict, output: dict, wait: float | None, started: dict | None = None) -> tuple[int, str] | None:
+    """File one message from the ranks (printed text, a rank that started ``fn``, a result); a rank's error is returned.
 
     Raises ``queue.Empty`` when nothing arrives within ``wait`` seconds (``None``: do not wait).
     """
     kind, rank, body = q.get(timeout=wait) if wait else q.get_nowait()
     if kind == "out":
         output[rank].append(body)
+    elif kind == "started":
+        if started is not None:
+            started[rank] = body
     elif kind == "ok":
         results[rank] = pickle.loads(body)
     else:

@@ -261,6 +261,31 @@ def test_init_without_launcher_environment_explains(monkeypatch):
         runtime.init()
 
 
+def _unpickled_after(seconds: float) -> float:
+    time.sleep(seconds)  # in each rank, while it unpickles fn's arguments: part of starting, not of fn
+    return seconds
+
+
+class _SlowToUnpickle:
+    """An argument whose unpickling takes ``seconds``, as importing a heavy module of fn's would."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __reduce__(self):
+        return _unpickled_after, (self.seconds,)
+
+
+def _returns(x):
+    return x
+
+
+def test_the_timeout_counts_from_when_the_ranks_have_started():
+    """Starting the ranks (the group, unpickling fn and its arguments) is not charged to ``timeout``: under
+    load it took longer than a test's 4 s, and a hanging rank was reported as ranks stuck in imports."""
+    assert launch(_returns, 2, _SlowToUnpickle(3.0), timeout=2) == [3.0, 3.0]
+
+
 def _only_rank_1_waits():
     if dist.get_rank() == 1:
         dist.recv(torch.zeros(1, device=device()), src=0)  # rank 0 returns without ever sending
