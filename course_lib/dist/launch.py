@@ -13,7 +13,7 @@ How it works, and why each piece is there:
 * Each rank's ``print`` output is collected and shown in rank order when the ranks finish, so a
   notebook's output is the same every run.
 * A rank that raises: the caller gets :class:`RankError` with that rank's number and traceback.
-  A rank that never returns: ``timeout`` seconds after the last rank started ``fn`` (starting, the
+  A rank that never returns: ``timeout`` seconds after the first rank started ``fn`` (starting, the
   process group and unpickling ``fn`` included, has STARTUP_S more), the caller gets :class:`LaunchTimeout`
   naming the ranks that did not finish and the line each was waiting on (Python's faulthandler
   dumps their stacks). Either way, every rank — and anything a rank started — is killed before the
@@ -204,8 +204,8 @@ def launch(
 
     Inside ``fn`` the default process group is initialised (gloo+cpu or nccl+cuda, see
     :mod:`course_lib.dist.runtime`), so ``torch.distributed`` can be used directly. ``timeout``
-    bounds ``fn``'s run, counted from the moment every rank has started it, and every collective in
-    it; starting the ranks has ``STARTUP_S`` more.
+    bounds ``fn``'s run, counted from the first rank's start of it once every rank has started, and
+    every collective in it; starting the ranks has ``STARTUP_S`` more.
 
     ``trace="run.json"`` records every rank's timeline while ``fn`` runs and writes them as one Chrome
     trace-event file (:func:`course_lib.dist.chrome_trace.write`: open it in ui.perfetto.dev); with
@@ -245,9 +245,8 @@ def launch(
             p.start()
         while len(results) < world_size and error is None:
             try:
-                everyone_was_started = len(started) == world_size
                 error = _receive(q, results, output, wait=0.05, started=started)
-                if not everyone_was_started and len(started) == world_size:
+                if len(started) == world_size:
                     deadline = min(started.values()) + timeout
             except queue_mod.Empty:
                 dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
