@@ -12,6 +12,19 @@
 * :mod:`~course_lib.dist.script`  — the frame of a script under ``accelerate launch`` (the labs' run.py).
 """
 
+import torch
+import torch.distributed
+
+# The course calls torch 2.13's names for the flat collectives (all_gather_single, reduce_scatter_single;
+# older releases call them all_gather_into_tensor, reduce_scatter_tensor). An older torch fails here, saying
+# so, rather than deep inside a rank with an AttributeError.
+if not hasattr(torch.distributed, "reduce_scatter_single"):
+    raise ImportError(
+        f"course_lib needs torch 2.13 (pyproject.toml pins it); this is torch {torch.__version__}, whose "
+        "torch.distributed has no reduce_scatter_single. Run ./course, which installs the pinned versions in .venv/, "
+        "or pip install -e . in a fresh environment"
+    )
+
 from course_lib.dist import counter, trace
 from course_lib.dist.launch import LaunchTimeout, RankError, launch
 from course_lib.dist.mesh import Mesh

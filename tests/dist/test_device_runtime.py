@@ -1,6 +1,9 @@
 """The device rule made visible: which backend and devices a launch uses, and why; a forced backend
 that cannot work is refused with the fix named. Pretend accelerators stand in for GPUs on CPU."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -69,6 +72,17 @@ def test_launch_says_when_a_present_gpu_goes_unused(monkeypatch, capfd):
     assert "cuda device" not in capfd.readouterr().err, "said once per world size, not at every launch"
 
 
+def test_the_fall_back_notice_can_be_silenced_for_nbval(monkeypatch, capfd):
+    """gpu-check's nbval row on a 1-GPU machine sets COURSE_FALLBACK_NOTICE=0: the stored outputs were
+    made without a GPU and have no such line. The ranks still fall back."""
+    monkeypatch.delenv("COURSE_BACKEND", raising=False)
+    monkeypatch.setenv("COURSE_FALLBACK_NOTICE", "0")
+    launch.__globals__["_ANNOUNCED"].discard(2)
+    pretend(monkeypatch, "cuda", 1)
+    assert launch(_backend_seen_by_rank, 2, timeout=60) == [("gloo", "cpu", 2)] * 2
+    assert "cuda device" not in capfd.readouterr().err
+
+
 def test_launch_refuses_a_forced_backend_before_starting_ranks(monkeypatch):
     pretend(monkeypatch, "cuda", 1)
     monkeypatch.setenv("COURSE_BACKEND", "nccl")
@@ -81,3 +95,11 @@ def test_a_cpu_only_launch_prints_nothing(monkeypatch, capfd):
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
     launch(_backend_seen_by_rank, 2, timeout=60)
     assert capfd.readouterr().err == "", "lectures' stored outputs must not show the device choice on a CPU machine"
+
+
+def test_an_older_torch_is_refused_at_import_naming_the_pin():
+    """torch before 2.13 lacks the flat collectives' new names: importing course_lib.dist says so (a rank's
+    AttributeError, deep inside ZeRO, would not)."""
+    code = "import torch.distributed as d; del d.reduce_scatter_single; import course_lib.dist"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "course_lib needs torch 2.13" in out.stderr, out.stderr[-2000:]
