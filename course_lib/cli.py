@@ -135,8 +135,10 @@ def test(extra: list[str]) -> int:
         base = [sys.executable, "-m", "pytest", "tests"]
         tier = "not slow and "
     else:
+        # lectures first, then tests: the workers take whole files in this order (--dist loadfile), and the
+        # lectures are the longest files, so starting them first leaves short files to even out the end
         base = nbval_command()
-        base.insert(3, "tests")
+        base.insert(4, "tests")
         tier = ""
     shared = [*base, "-m", f"{tier}not serial", "-n", str(WORKERS), "--dist", "loadfile", *rest]
     alone = [*base, "-m", f"{tier}serial", *rest]

@@ -192,7 +192,7 @@ def test_tree_all_reduce_sums_on_three_ranks():
 # ------------------------------------------------------------------------------ hardware: Zhao et al. 2025, H800 vs H100
 
 
-def test_seed_001_ep_example_is_120_96_us():
+def test_insights_into_deepseek_v3_ep_example_is_120_96_us():
     # Insights into DeepSeek-V3 §2.3.2: (1 B + 2 B) x 32 tokens x 9 experts x 7K / 50 GB/s = 120.96 µs
     assert ep_comm_time(32, 7000, 9, 1, 2, 50e9) == pytest.approx(120.96e-6, rel=1e-12)
     layer = ep_layer_comm_seconds(32, 7000, 9, ib_copies=9, scale_up_bytes_per_s=200e9, scale_out_bytes_per_s=50e9)
