@@ -4,15 +4,15 @@
   (a ring all-reduce is a reduce-scatter plus an all-gather);
 * the fit recovers α and β from exact data, and the relative fit is the one that survives noise over
   seven decades of message size;
-* the acceptance test: α and β fitted on 11 of 16 message sizes measured here predict the other 5
-  within 25%, for each collective;
+* the acceptance test against gloo, α and β fitted on 11 of 16 message sizes measured here predicting
+  the other 5 within 25% for each collective, is lecture 08's fit cell under nbval: one measurement per
+  CI run (35-40 s alone on the machine), not one here and one there (``time_and_fit`` does both);
 * Zhao et al.'s (Insights into DeepSeek-V3, ISCA 2025) worked example (120.96 µs) exactly, H800 against H100 for TP and EP, and the distinct
   nodes a routed token reaches, with and without DeepSeek-V3's node limit.
 """
 
 import itertools
 import math
-import os
 
 import pytest
 import torch
@@ -36,10 +36,7 @@ from course_lib.cost.links import link_alpha_beta, step_comm_on, tp_step_comm_se
 from course_lib.dist import device, launch
 from course_lib.experiments.lecture07.node_routing import route_distinct_nodes, standard_error
 from course_lib.measure.collective_timing import (
-    COLLECTIVES,
     message_sizes,
-    split_sizes,
-    time_and_fit,
     tree_all_reduce,
 )
 
@@ -118,60 +115,6 @@ def test_fit_needs_two_sizes_and_clips_negative_values():
 
 
 # ------------------------------------------------------------------------------ the acceptance test
-
-
-@pytest.fixture(scope="module")
-def timed_and_fitted():
-    """One launch at world size 2: 6 collectives x 16 sizes from 16 B to 24 MiB, interleaved over 15 repeats
-    (about 25 s on 2 quiet cores); a second one only if a held-out size missed (``time_and_fit`` says why)."""
-    return time_and_fit(2)
-
-
-@pytest.fixture(scope="module")
-def measured(timed_and_fitted):
-    return timed_and_fitted[0]
-
-
-@pytest.mark.serial
-@pytest.mark.slow
-def test_time_collectives_returns_every_collective_and_size(measured):
-    sizes = message_sizes()
-    assert list(measured) == list(COLLECTIVES)
-    for name, times in measured.items():
-        assert list(times) == sizes and all(t > 0 for t in times.values()), name
-        # sanity: 24 MiB takes longer than 16 B, for every collective, whatever the load
-        assert times[sizes[-1]] > 5 * times[sizes[0]], f"{name}: 24 MiB should cost far more than 16 B"
-
-
-@pytest.mark.serial
-@pytest.mark.parametrize("name", COLLECTIVES)
-@pytest.mark.slow
-def test_alpha_beta_predicts_held_out_sizes_within_25_percent(timed_and_fitted, name):
-    # Held out: every third of the 16 log-spaced sizes from the second on, 5 sizes (40 B, 720 B, 12 KB,
-    # 216 KB, 3.8 MB), one per 1.3 decades, each between two fitted neighbours: the latency-bound end,
-    # the bend where α ≈ S·β, and the bandwidth-bound end. The smallest (16 B) and largest (24 MiB) are
-    # fitted, not predicted: no extrapolation. 25% is the acceptance bound; the fit itself is relative
-    # (fit_alpha_beta, relative=True) because the bound is relative. What the bound has to absorb, measured
-    # on this 2-core machine while other programs ran: the lower quartile of a size's operations moves
-    # ~6-8% from run to run, and the collectives' time per byte is ~1.2-1.5x higher at 10-24 MiB than at
-    # 0.2-1.5 MiB (two ranks copying both ways at once on 2 shared cores), a bend the line splits between
-    # the 216 KB and 3.8 MB held-out sizes (typically +10% and -10%).
-    measured, fitted, all_errors, _, attempts = timed_and_fitted
-    sizes = sorted(measured[name])
-    fit, held = split_sizes(sizes)
-    assert len(held) == 5 and held[0] > sizes[0] and held[-1] < sizes[-1]
-    alpha, beta = fitted[name]
-    assert (alpha, beta) == fit_alpha_beta(fit, [measured[name][s] for s in fit], 2, collective=name, relative=True)
-    errors = all_errors[name]
-    assert errors == relative_errors({s: measured[name][s] for s in held}, name, 2, alpha, beta)
-    worst = max(errors.values(), key=abs)
-    assert abs(worst) <= 0.25, (
-        f"measured {attempts} times: "
-        f"{name}: α = {alpha * 1e6:.1f} µs, β = 1/({1 / beta / 1e9:.2f} GB/s) predict the held-out sizes "
-        f"with errors { ({s: round(e, 2) for s, e in errors.items()}) }; above 25%. Load average "
-        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: under heavy load large messages wait for the "
-        "scheduler at every socket-buffer hand-off and their time per byte grows; re-run on a quieter machine"
-    )
 
 
 def _tree_vs_all_reduce():
