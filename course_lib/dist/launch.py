@@ -246,7 +246,7 @@ def launch(
             p.start()
         while len(results) < world_size and error is None:
             try:
-                error = _receive(q, results, output, wait=0.05, started=started)
+                error = _receive(q, results, output, started, wait=0.05)
                 if len(started) == world_size:
                     deadline = min(started.values()) + timeout
             except queue_mod.Empty:
@@ -273,7 +273,7 @@ def launch(
             raised = {error[0]}
             while len(results) + len(raised) < world_size and time.monotonic() < grace:
                 try:
-                    other = _receive(q, results, output, wait=0.05)
+                    other = _receive(q, results, output, started, wait=0.05)
                 except queue_mod.Empty:
                     continue
                 if other is not None:
@@ -295,7 +295,7 @@ def launch(
         shutil.rmtree(stack_dir, ignore_errors=True)  # leave nothing behind in the temp folder
 
 
-def _receive(q, results: dict, output: dict, wait: float | None, started: dict | None = None) -> tuple[int, str] | None:
+def _receive(q, results: dict, output: dict, started: dict, wait: float | None) -> tuple[int, str] | None:
     """File one message from the ranks (printed text, a rank that started ``fn``, a result); a rank's error is returned.
 
     Raises ``queue.Empty`` when nothing arrives within ``wait`` seconds (``None``: do not wait).
@@ -304,8 +304,7 @@ def _receive(q, results: dict, output: dict, wait: float | None, started: dict |
     if kind == "out":
         output[rank].append(body)
     elif kind == "started":
-        if started is not None:
-            started[rank] = body
+        started[rank] = body
     elif kind == "ok":
         results[rank] = pickle.loads(body)
     else:
@@ -317,7 +316,7 @@ def _drain(q, results: dict, output: dict) -> None:
     """Everything still queued (after the ranks stopped): their last prints and results."""
     while True:
         try:
-            _receive(q, results, output, wait=None)
+            _receive(q, results, output, {}, wait=None)  # start times no longer matter
         except (queue_mod.Empty, OSError, ValueError):
             return
 

@@ -177,8 +177,17 @@ def check_fp8_speed(ctx: Context) -> str:
 # ------------------------------------------------------------------ checks run as subprocesses
 
 
-def _pytest(*selection: str) -> list[str]:
-    return [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *selection]
+def _pytest(*selection: str, stop_at_first: bool = True) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        *(["-x"] if stop_at_first else []),
+        "-p",
+        "no:cacheprovider",
+        *selection,
+    ]
 
 
 def _grade(lab: str) -> list[str]:
@@ -220,7 +229,7 @@ def plan() -> list[Row]:
     sanitize = f"--nbval-sanitize-with={ROOT / 'lectures' / 'sanitize.cfg'}"
     # Every cell's failure, not the first (no -x). Cells that launch more ranks than the machine has GPUs
     # run them on the CPU and would say so on stderr, which the stored outputs (made without a GPU) lack.
-    nbval = [c for c in _pytest(*notebooks, "--nbval", sanitize) if c != "-x"]
+    nbval = _pytest(*notebooks, "--nbval", sanitize, stop_at_first=False)
     rows.append(
         Row("lectures", "lectures 05-07 under nbval", command=nbval, budget_s=300, env={"COURSE_FALLBACK_NOTICE": "0"})
     )
