@@ -2,8 +2,10 @@
 and every row's statuses — so that a GPU's minutes are spent on the GPU, not on fixing the script."""
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -112,3 +114,14 @@ def test_each_status_is_a_row_of_the_table():
 def test_an_unknown_check_is_refused_with_the_names():
     with pytest.raises(SystemExit):
         gpu_check.main(["--only", "nope"])
+
+
+def test_a_timed_out_row_keeps_what_it_printed(tmp_path, monkeypatch):
+    """A row stopped at its budget fails saying so, and its output so far is in LOG_DIR/NAME.log (where it was)."""
+    monkeypatch.setattr(gpu_check, "LOG_DIR", tmp_path)
+    code = "import time; print('reached step 1', flush=True); time.sleep(30)"
+    row = gpu_check.Row("sleeper", "prints, then hangs", command=[sys.executable, "-c", code], budget_s=3)
+    ctx = gpu_check.Context(dry_run=True, device=torch.device("cpu"), gpus=0)
+    result = gpu_check._run_row(row, ctx, deadline=time.monotonic() + 60, env=dict(os.environ))
+    assert result["status"] == "FAIL" and "timed out" in result["detail"], result
+    assert "reached step 1" in (tmp_path / "sleeper.log").read_text()
