@@ -12,10 +12,11 @@ exchanges JSON with it.
     >>> vllm_generate(path, [[0, 6, 12], [5, 5]], 16)["tokens"]     # vllm.LLM, greedy, in a subprocess
     >>> vllm_serve_generate(path, [[0, 6, 12]], 16)["tokens"]       # the same through its HTTP server
 
-Both start vLLM afresh (~15 s of engine start-up, ~25-40 s with the interpreter on 2 CPU cores), so
-pass every prompt in one call; ``vllm_run`` serves several batches with one start-up. Everything vLLM
-writes (its IPC sockets, its cache folder, logs) goes to a folder under build/tmp/, removed on return,
-and every process it starts is stopped: a call leaves nothing behind, also when it fails or times out.
+Both start vLLM afresh (``vllm_run``: ~15 s with the interpreter on 2 CPU cores; the server, whose
+engine runs in a second process: ~30 s), so pass every prompt in one call; ``vllm_run`` serves several
+batches with one start-up. What vLLM writes while it runs (its IPC sockets, logs) goes to a folder under
+build/tmp/, removed on return; its cache stays in build/vllm-cache/ (see ``_env``). Every process it
+starts is stopped: a call leaves nothing behind, also when it fails or times out.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ __all__ = ["request_stream", "vllm_generate", "vllm_python", "vllm_run", "vllm_s
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_VENV = ROOT / ".venv-vllm"
 WORKER = Path(__file__).with_name("vllm_worker.py")
+VLLM_CACHE = ROOT / "build" / "vllm-cache"
 
 
 def vllm_python() -> Path:
@@ -88,8 +90,13 @@ def _scratch() -> Path:
 
 
 def _env(scratch: Path) -> dict[str, str]:
-    """The worker's environment: temp files and vLLM's cache (~/.cache/vllm by default) in ``scratch``."""
-    return {**os.environ, "TMPDIR": str(scratch), "VLLM_CACHE_ROOT": str(scratch / "cache")}
+    """The worker's environment: temp files in ``scratch``, vLLM's cache (~/.cache/vllm by default) in build/.
+
+    The cache is kept between runs: at start-up vLLM inspects the model's class in a fresh interpreter
+    (~10 s on 2 CPU cores) unless ``modelinfos/`` holds the result, keyed by a hash of the model's source
+    file. vLLM writes it atomically, so runs in parallel can share it.
+    """
+    return {**os.environ, "TMPDIR": str(scratch), "VLLM_CACHE_ROOT": str(VLLM_CACHE)}
 
 
 def _stop(proc: subprocess.Popen, grace: float = 20.0) -> None:

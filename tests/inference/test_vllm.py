@@ -2,7 +2,7 @@
 
 vLLM runs in its own environment, .venv-vllm/ (made by ./course), through course_lib.inference.vllm.
 A missing environment fails these tests (it does not skip them): the message says to run ./course.
-Each vLLM start-up costs ~25-50 s on 2 cores, so the module starts vllm.LLM once (the token test and
+Each vLLM start-up costs ~13-30 s on 2 cores, so the module starts vllm.LLM once (the token test and
 the prefix-cache test share it). The OpenAI-compatible server (``vllm_serve_generate``) is started once
 per CI run, by lecture 06's serving cell under nbval, which asserts its tokens equal course_lib's engine.
 """
