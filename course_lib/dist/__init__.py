@@ -2,6 +2,9 @@
 
 * :mod:`~course_lib.dist.runtime` — the one place that picks device and backend; ``init()``.
 * :mod:`~course_lib.dist.launch`  — ``launch(fn, world_size)``: run a function on N ranks.
+* :mod:`~course_lib.dist.forkserver_freeze` — imported by launch's fork server only: ``gc.freeze()``.
+* :mod:`~course_lib.dist.timing`  — the clock that waits for the device.
+* :mod:`~course_lib.dist.p2p`     — sends and receives posted together (safe under NCCL).
 * :mod:`~course_lib.dist.mesh`    — ``Mesh(dp=, tp=, pp=, cp=, ep=)``: process groups per parallelism.
 * :mod:`~course_lib.dist.intercept` — reports each ``torch.distributed`` call to its observers:
 * :mod:`~course_lib.dist.counter` — calls and bytes per collective and process group;
