@@ -18,6 +18,8 @@
 * :mod:`~course_lib.cost.pipeline`            — pipeline bubble, micro-batches in flight per schedule, P2P bytes
 * :mod:`~course_lib.cost.dollars`             — GPU-hours and what they cost; total cost of ownership (capex, power, utilisation)
 * :mod:`~course_lib.cost.overlap`             — when a transfer hides behind compute (ring attention's block size)
+* :mod:`~course_lib.cost.step_time`           — a training step's seconds from each rank's GEMMs, memory traffic and exposed communication
+* :mod:`~course_lib.cost.published`           — published runs (Llama 3 405B, DeepSeek-V3) as their papers state them; the η fit
 * :mod:`~course_lib.cost.planner`             — the auto-planner: every layout's memory and step time, ranked and explained
 
 Nothing here launches ranks or touches a tensor; :mod:`course_lib.measure` measures what these predict.

@@ -3,8 +3,8 @@ from the course's models, refuse what cannot run (saying why), rank the rest and
 
 A layout splits N devices as dp × pp × cp × tp (the course mesh's order: tp innermost, so its
 ranks share a node first; :mod:`course_lib.dist.mesh`), carves ep expert-parallel ranks out of dp,
-and chooses a micro-batch b (so m = G / (dp·b) micro-batches per step), a ZeRO stage over dp and
-activation recomputation ("none" or "full"). Nothing below prefers one axis to another: each
+and chooses a micro-batch b (so m = G / (dp·b) micro-batches per step), a ZeRO stage over dp,
+activation recomputation ("none", "selective" or "full") and the pipeline schedule. Nothing below prefers one axis to another: each
 prediction is a sum of terms from the formulas of :mod:`course_lib.cost`, each with its source.
 
 **Memory per device** (the busiest pipeline stage: stage 0 holds the most micro-batches in flight):
@@ -21,21 +21,13 @@ prediction is a sum of terms from the formulas of :mod:`course_lib.cost`, each w
 compared with ``memory_fraction`` of the device's HBM (the allocator, NCCL's buffers and the CUDA
 context take the rest).
 
-**Step time** (seconds, nothing overlapped unless said: an upper bound on each term):
-
-    compute        training FLOPs of the global batch (:func:`~course_lib.cost.flops.train_flops_per_token`,
-                   ×4/3 under full recomputation) / (N · peak · mfu), × the busiest stage's share over
-                   the average (:func:`stage_imbalance`), × (m + pp − 1)/m for the pipeline's bubble
-                   (Narayanan et al. 2021 §2.2.1)
-    tp             4 collectives of b·(s/cp)·h 16-bit values per layer per micro-batch (Megatron §3:
-                   2 forward, 2 backward; 6 under full recomputation), on the tp group's link
-    pp             2 p2p messages of b·(s/cp)·h per micro-batch on the critical path of m + pp − 1 slots
-    cp             ring attention: cp − 1 exchanges of a K/V block per layer forward, twice backward
-    ep             4 all-to-alls (dispatch, combine; forward, backward) of b·(s/cp)·k·h per MoE layer
-    dp             the gradient reduction of the stage's parameters (all-reduce; 1.5× under ZeRO-3 for
-                   the parameter gathers), less what hides behind the backward pass: buckets are reduced
-                   while later layers still compute (PyTorch DDP, Li et al. VLDB 2020 §3.2.3), so only
-                   max(0, t_dp − dp_overlap · t_backward) shows, t_backward = 2/3 of the compute
+**Step time** on devices with a chip each: :func:`course_lib.cost.step_time.step_seconds`, from the
+work each rank does. GEMMs are timed by the roofline of their shapes at the accelerator's fitted
+sustained efficiency, with attention's causal half skipped. Communication is exposed unless the
+stack hides it: DP behind backward, TP with Megatron-Core's overlap, EP under DualPipe. The bubble
+follows the schedule: 1F1B, interleaved 1F1B and DualPipe. No input is an end-to-end efficiency. Its
+predictions for the published runs of :mod:`course_lib.cost.published` are within 15%, and
+BENCHMARKS.md shows them with their errors.
 
 A group's link is NVLink-class ("scale_up") when its ranks fit in one node, the network
 ("scale_out") otherwise; α and β come from :func:`~course_lib.cost.links.link_alpha_beta`.
@@ -49,10 +41,10 @@ bubble costs nothing; what the step costs is every rank's work divided by the co
                    ``pass_seconds`` is the fixed cost of one pass whatever its size (Python dispatch,
                    kernel launches: on a tiny model it outweighs the arithmetic)
 
-The communication terms stay on the critical path, now through all m + pp − 1 slots of the
-schedule (a TP rank waits for its partner in every slot it computes); under time-sharing their α is
-mostly the wait for the partner to be scheduled, so it is measured under load, not on an idle pair.
-``pass_seconds`` also counts on an accelerator (kernel-launch overhead), on the critical path.
+The communication terms stay on the critical path, through all m + pp − 1 slots of the schedule (a
+TP rank waits for its partner in every slot it computes); under time-sharing their α is mostly the
+wait for the partner to be scheduled, so it is measured under load, not on an idle pair. The rate
+is measured too (``Cluster(peak_flops=...)``): the shared-cores mode takes no table figure.
 """
 
 from __future__ import annotations
@@ -67,26 +59,30 @@ from course_lib.cost.flops import train_flops_per_token
 from course_lib.cost.links import link_alpha_beta
 from course_lib.cost.memory import zero_model_state_bytes
 from course_lib.cost.pipeline import in_flight_microbatches
+from course_lib.cost.step_time import step_seconds
 from course_lib.model.config import ModelConfig
 
-RECOMPUTE = ("none", "full")
+RECOMPUTE = ("none", "selective", "full")
+SEARCHED_RECOMPUTE = ("none", "full")  # what plan() tries unless told
+SCHEDULES = ("1f1b", "dualpipe")  # 1F1B with virtual_stages > 1 is Megatron's interleaved schedule
 
 
 @dataclass(frozen=True)
 class Cluster:
-    """N devices of one kind, ``devices_per_node`` to a node. ``mfu``: the fraction of peak the GEMMs
-    reach (Llama 3 reports 38–43% in bf16 at 16k GPUs, §3.3.2 Table 4); ``links``: optional
-    {"scale_up" | "scale_out": (α, β)} measured figures instead of the table's."""
+    """N devices of one kind, ``devices_per_node`` to a node. ``precision``: the GEMMs' ("bf16" or "fp8");
+    ``links``: optional {"scale_up" | "scale_out": (α, β)} measured figures instead of the table's;
+    ``peak_flops``: a measured sustained rate instead of the table's peak × the fitted GEMM efficiency
+    (:data:`course_lib.cost.step_time.GEMM_EFFICIENCY`). No input is an end-to-end efficiency."""
 
     accelerator: str | hardware.Accelerator
     n_devices: int
     devices_per_node: int = 8
-    mfu: float = 0.4
     memory_fraction: float = 0.9
     precision: str = "bf16"
     links: dict = field(default_factory=dict)
     memory_bytes: float | None = None  # instead of the table's HBM (a CPU rank's share of RAM, say)
     peak_flops: float | None = None  # instead of the table's peak (a measured figure)
+    gemm_efficiency: float | None = None  # instead of cost.step_time.GEMM_EFFICIENCY (to fit it)
     cores: int | None = None  # the devices time-share this many cores (CPU ranks); None: each its own
     pass_seconds: float = 0.0  # fixed cost of one block's forward + backward on one micro-batch
 
@@ -95,13 +91,16 @@ class Cluster:
             raise ValueError(f"a cluster needs n_devices >= 1 and devices_per_node >= 1, got {self}")
         if (self.cores is not None and self.cores < 1) or self.pass_seconds < 0:
             raise ValueError(f"cores={self.cores} must be >= 1 and pass_seconds={self.pass_seconds} >= 0")
+        if not 0 < self.memory_fraction <= 1 or self.precision not in ("bf16", "fp8"):
+            raise ValueError(
+                f"memory_fraction={self.memory_fraction} must lie in (0, 1] and precision={self.precision!r} be "
+                "'bf16' or 'fp8' (the GEMMs' precision; attention and the output layer stay in bf16)"
+            )
 
     @property
     def shared(self) -> bool:
         """More ranks than cores: the ranks take turns, and the bubble's idle time goes to others."""
         return self.cores is not None and self.cores < self.n_devices
-        if not 0 < self.mfu <= 1 or not 0 < self.memory_fraction <= 1:
-            raise ValueError(f"mfu={self.mfu} and memory_fraction={self.memory_fraction} must lie in (0, 1]")
 
     @property
     def device(self) -> hardware.Accelerator:
@@ -130,9 +129,15 @@ class Layout:
     micro_batch: int = 1
     zero: int = 1
     recompute: str = "none"
+    virtual_stages: int = 1  # v pipeline chunks per rank: Megatron's interleaved 1F1B when > 1
+    schedule: str = "1f1b"
+    tp_overlap: bool = False  # Megatron-Core's --tp-comm-overlap
+    balanced: bool = False  # stages sized to equal work (the output layer's rank gets fewer blocks)
+    ep_node_limit: int = 0  # a token's experts on at most this many nodes (DeepSeek-V3 §2.1.2: 4); 0: any
 
     def __str__(self) -> str:
-        extra = "".join(f" {k}={v}" for k, v in (("cp", self.cp), ("ep", self.ep)) if v > 1)
+        extra = "".join(f" {k}={v}" for k, v in (("cp", self.cp), ("ep", self.ep), ("v", self.virtual_stages)) if v > 1)
+        extra += " dualpipe" if self.schedule == "dualpipe" else ""
         return (
             f"dp={self.dp} tp={self.tp} pp={self.pp}{extra} b={self.micro_batch} ZeRO-{self.zero} "
             f"recompute={self.recompute}"
@@ -191,6 +196,17 @@ def reasons(cfg: ModelConfig, cluster: Cluster, layout: Layout, global_batch: in
             f"the global batch of {global_batch} sequences does not split into dp={ly.dp} replicas of micro-batches "
             f"of {ly.micro_batch}: choose dp·b dividing {global_batch}"
         )
+    if ly.schedule not in SCHEDULES or ly.virtual_stages < 1 or (ly.schedule == "dualpipe" and ly.virtual_stages > 1):
+        out.append(
+            f"schedule {ly.schedule!r} with virtual_stages={ly.virtual_stages}: choose one of {SCHEDULES}; "
+            "interleaving is 1f1b with virtual_stages > 1, and DualPipe has its own two chunks per rank"
+        )
+    if ly.pp * ly.virtual_stages > cfg.n_layers and ly.virtual_stages > 1:
+        out.append(
+            f"pp·v = {ly.pp * ly.virtual_stages} chunks need at least as many blocks; the model has {cfg.n_layers}"
+        )
+    if ly.schedule == "dualpipe" and ly.pp % 2:
+        out.append(f"DualPipe needs an even number of pipeline stages (DeepSeek-V3 §3.2.1), got pp={ly.pp}")
     if ly.zero not in (0, 1, 2, 3) or ly.recompute not in RECOMPUTE:
         out.append(f"ZeRO stage {ly.zero} / recompute {ly.recompute!r}: stages are 0-3, recompute one of {RECOMPUTE}")
     return out
@@ -246,7 +262,7 @@ def predict(
     problems = reasons(cfg, cluster, layout, global_batch, seq_len)
     if problems:
         raise ValueError(f"layout {layout} cannot run: " + "; ".join(problems))
-    ly, h, bpe = layout, cfg.d_model, 2  # 16-bit activations and gradients
+    ly, h = layout, cfg.d_model
     b, s = ly.micro_batch, seq_len // ly.cp
     m = global_batch // (ly.dp * b)
     dense, expert, layers = _stage_params(cfg, ly.pp, ly.tp, ly.ep)
@@ -254,7 +270,15 @@ def predict(
         "model states": zero_model_state_bytes(max(1, round(dense)), ly.dp, ly.zero)
         + (zero_model_state_bytes(max(1, round(expert)), ly.dp // ly.ep, ly.zero) if expert else 0.0),
     }
-    in_flight = in_flight_microbatches("1f1b", ly.pp, 0, m)
+    if ly.schedule == "dualpipe":  # a second copy of the stage's bf16 parameters (DeepSeek-V3 Table 2)
+        memory["model states"] += 2 * (dense + expert)
+    # micro-batches' worth of the stage's layers that rank 0 holds (cost.pipeline; DeepSeek-V3 Table 2: PP + 1)
+    if ly.schedule == "dualpipe":
+        in_flight = ly.pp + 1
+    elif ly.virtual_stages > 1:
+        in_flight = in_flight_microbatches("interleaved", ly.pp, 0, m, ly.virtual_stages) / ly.virtual_stages
+    else:
+        in_flight = in_flight_microbatches("1f1b", ly.pp, 0, m)
     # FlashAttention (Dao et al. 2022) never stores the a·s×s attention matrix: Korthikanti's 5as/h term is 0
     heads = 0 if flash else cfg.n_heads
     full_layer = korthikanti_bytes_per_layer(s, b, h, heads, ly.tp, sequence_parallel=ly.tp > 1)
@@ -269,40 +293,41 @@ def predict(
         links[axis], ab = cluster.link(span)
         return ab
 
-    flops = train_flops_per_token(cfg, seq_len) * global_batch * seq_len * (4 / 3 if ly.recompute == "full" else 1)
-    # each device's share, no bubble, at the pace of the busiest stage (the output layer's matmul sits on the last)
-    busy = flops / (cluster.n_devices * cluster.flops() * cluster.mfu) * stage_imbalance(cfg, ly.pp)
-    slots = m + ly.pp - 1  # the schedule's length in micro-batch slots: m of work, pp − 1 of bubble
+    spans = {"tp": ly.tp, "pp": ly.tp * ly.cp * ly.pp, "cp": ly.tp * ly.cp, "ep": ly.ep * ly.tp * ly.cp}
+    spans["dp"] = cluster.n_devices
+    for axis, span in spans.items():
+        if getattr(ly, axis) > 1:
+            on(axis, span)
     if cluster.shared:
-        passes = ly.dp * ly.tp * m * (cfg.n_layers + 1)  # over all ranks; each pass pays pass_seconds once
-        rate = cluster.flops() * cluster.mfu
-        seconds = {"compute": (flops / rate + passes * cluster.pass_seconds) / cluster.cores}
+        seconds = _shared_cores_seconds(cfg, cluster, ly, global_batch, seq_len, dense + expert, dp_overlap)
     else:
-        seconds = {"compute": busy * slots / m + slots * layers * cluster.pass_seconds}
+        seconds = step_seconds(cfg, cluster, ly, global_batch, seq_len, dense + expert)
+    return Prediction(layout, memory, seconds, cluster.usable_bytes(), links)
+
+
+def _shared_cores_seconds(cfg, cluster, ly, global_batch: int, seq_len: int, params: float, dp_overlap: float) -> dict:
+    """Step time of N CPU ranks time-sharing C cores (module docstring, "Shared cores")."""
+    b, s, h, bpe = ly.micro_batch, seq_len // ly.cp, cfg.d_model, 2
+    m = global_batch // (ly.dp * b)
+    layers = _stage_params(cfg, ly.pp, ly.tp, ly.ep)[2]
+    flops = train_flops_per_token(cfg, seq_len) * global_batch * seq_len * (4 / 3 if ly.recompute == "full" else 1)
+    slots = m + ly.pp - 1  # the schedule's length in micro-batch slots: m of work, pp − 1 of bubble
+    passes = ly.dp * ly.tp * m * (cfg.n_layers + 1)  # over all ranks; each pass pays pass_seconds once
+    seconds = {"compute": (flops / cluster.flops() + passes * cluster.pass_seconds) / cluster.cores}
     act = b * s * h * bpe  # one micro-batch's hidden state on this rank (replicated over tp)
-    if ly.tp > 1:
+    if ly.tp > 1:  # time-shared ranks wait for their partner in every slot
         per_layer = (6 if ly.recompute == "full" else 4) * collective_seconds(
-            "ring_all_reduce", act, ly.tp, *on("tp", ly.tp)
+            "ring_all_reduce", act, ly.tp, *cluster.link(ly.tp)[1]
         )
-        # time-shared ranks wait for their partner in every slot; with a core each, the bubble's
-        # slots hold no TP work worth counting beside the compute term's bubble
-        seconds["tp"] = (slots if cluster.shared else m) * layers * per_layer
+        seconds["tp"] = slots * layers * per_layer
     if ly.pp > 1:
-        seconds["pp"] = 2 * slots * collective_seconds("p2p", act, 2, *on("pp", ly.tp * ly.cp * ly.pp))
-    if ly.cp > 1:
-        kv = 2 * b * s * cfg.n_kv_heads * cfg.head_dim * bpe / ly.tp
-        seconds["cp"] = 3 * m * layers * (ly.cp - 1) * collective_seconds("p2p", kv, 2, *on("cp", ly.tp * ly.cp))
-    if ly.ep > 1:
-        moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers)) / ly.pp
-        a2a = b * s * cfg.n_activated_experts * h * bpe
-        span = ly.ep * ly.tp * ly.cp * ly.pp
-        seconds["ep"] = 4 * m * moe_layers * collective_seconds("all_to_all", a2a, ly.ep, *on("ep", span))
+        seconds["pp"] = 2 * slots * collective_seconds("p2p", act, 2, *cluster.link(ly.tp * ly.cp * ly.pp)[1])
     if ly.dp > 1:
-        grads = (dense + expert) * bpe
-        t = collective_seconds("ring_all_reduce", grads, ly.dp, *on("dp", cluster.n_devices))
+        t = collective_seconds("ring_all_reduce", params * bpe, ly.dp, *cluster.link(cluster.n_devices)[1])
+        busy = flops / (cluster.n_devices * cluster.flops()) * stage_imbalance(cfg, ly.pp)
         # buckets reduce while the backward pass (2/3 of the FLOPs) goes on: only what outlasts it shows
         seconds["dp"] = max(0.0, (1.5 if ly.zero == 3 else 1.0) * t - dp_overlap * busy * 2 / 3)
-    return Prediction(layout, memory, seconds, cluster.usable_bytes(), links)
+    return seconds
 
 
 def layouts(
@@ -311,7 +336,7 @@ def layouts(
     global_batch: int,
     seq_len: int,
     zero=(1,),
-    recompute=RECOMPUTE,
+    recompute=SEARCHED_RECOMPUTE,
     micro_batches=(1, 2, 4, 8),
 ):
     """Every layout :func:`reasons` accepts (memory not yet judged), in a fixed order."""

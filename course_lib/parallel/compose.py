@@ -206,6 +206,12 @@ class Composed:
             self._average([p for p in self.stage.parameters() if id(p) in experts], self.expert_dp)
 
     def _average(self, params, group) -> None:
+        for p in params:
+            # An expert that none of this replica's tokens reached has no gradient here, while its copy in
+            # another replica may have one: every rank of the group must add a buffer of the same size
+            # (gloo fails on the mismatch, NCCL would hang). Its zero adds nothing, as in one process.
+            if p.grad is None and p.requires_grad:
+                p.grad = torch.zeros_like(p)
         grads = [p.grad for p in params if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])  # one all-reduce per step: a single bucket
         if dist.get_world_size(group) > 1:

@@ -95,7 +95,7 @@ def compute_bound_tokens(k, n, bytes_per_element, peak_flops_per_second, bytes_p
     return m
 
 
-# Lecture 10, §1.2: tp divides every split dimension (heads, key/value heads, vocabulary, d_ff); each of
+# Lecture 10, §1.3: tp divides every split dimension (heads, key/value heads, vocabulary, d_ff); each of
 # the pp stages needs a block, and tied embeddings keep the model whole (pp = 1); dp·m divides the batch.
 def valid_layouts(cfg, world, global_batch, m):
     out = set()

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from course_lib.dist import device, launch
+from course_lib.experiments.lecture10 import capstone_run
 from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 from course_lib.parallel.compose import Composed, Layout, check_layout, sgd_one_process
@@ -121,3 +122,14 @@ def test_composed_mixture_of_experts_with_expert_parallel_follows_one_process(la
                 f"{layout}: {name} is off by {gap:.2e} on rank {rank}: an expert's gradient arrives summed over "
                 "its ep group; it needs the sum over the dp/ep copies and 1/dp, not a second all-reduce over dp"
             )
+
+
+def test_an_expert_no_token_of_a_replica_reaches_still_joins_the_gradient_average():
+    """With dp = 4 and ep = 2, each expert has two copies; in step 3 of this run (32-token sequences) one
+    replica routes no token to one of them, so that copy has no gradient. The copies' all-reduce must
+    still add equal-sized buffers on every rank: before the fix, gloo failed with "Received data size
+    doesn't match expected size". The result must be one process's, as in the other layouts."""
+    run = capstone_run.composed_vs_one_process(
+        Layout(dp=4, m=2, ep=2), steps=3, global_batch=8, seq_len=32, overrides=capstone_run.MOE
+    )
+    assert run["loss_rel_gap"] <= LOSS_RTOL and run["param_gap"] <= PARAM_ATOL, run["param_gap"]

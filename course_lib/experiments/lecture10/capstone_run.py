@@ -28,9 +28,12 @@ CAPSTONE = Layout(
 )  # the lecture's layout: every axis at 2, 8 ranks  # the mesh's order, outermost first (course_lib.dist.mesh)
 
 
-def _model(n_layers: int, seed: int) -> Transformer:
+MOE = dict(n_routed_experts=4, n_activated_experts=2, moe_d_ff=32)  # the tiny model's mixture-of-experts variant
+
+
+def _model(n_layers: int, seed: int, overrides: dict | None = None) -> Transformer:
     torch.manual_seed(seed)
-    return Transformer(configs.get("tiny", n_layers=n_layers))
+    return Transformer(configs.get("tiny", n_layers=n_layers, **(overrides or {})))
 
 
 def _batches(steps: int, global_batch: int, seq_len: int, data_seed: int):
@@ -38,14 +41,23 @@ def _batches(steps: int, global_batch: int, seq_len: int, data_seed: int):
     return small_run.batches(steps, global_batch, seq_len, data_seed, stream_batches=64)
 
 
-def one_process(steps: int, lr: float, global_batch: int, seq_len: int, n_layers: int = 4, seed: int = 0, data_seed=11):
+def one_process(
+    steps: int,
+    lr: float,
+    global_batch: int,
+    seq_len: int,
+    n_layers: int = 4,
+    seed: int = 0,
+    data_seed=11,
+    overrides=None,
+):
     """:func:`~course_lib.parallel.compose.sgd_one_process` on the capstone's model and batches."""
-    return sgd_one_process(_model(n_layers, seed), _batches(steps, global_batch, seq_len, data_seed), lr)
+    return sgd_one_process(_model(n_layers, seed, overrides), _batches(steps, global_batch, seq_len, data_seed), lr)
 
 
-def _composed_rank(layout: Layout, steps, lr, global_batch, seq_len, n_layers, seed, data_seed, traced_step):
+def _composed_rank(layout: Layout, steps, lr, global_batch, seq_len, n_layers, seed, data_seed, overrides, traced_step):
     # Composed computes where the model is: on the rank's device
-    composed = Composed(_model(n_layers, seed).to(device()), layout, global_batch)
+    composed = Composed(_model(n_layers, seed, overrides).to(device()), layout, global_batch)
     opt = torch.optim.SGD(composed.parameters(), lr=lr)
     losses, spans = [], []
     for step, (x, y) in enumerate(_batches(steps, global_batch, seq_len, data_seed)):
@@ -73,15 +85,17 @@ def composed_vs_one_process(
     seed: int = 0,
     data_seed: int = 11,
     traced_step: int = 1,
+    overrides: dict | None = None,
 ) -> dict:
     """Train ``steps`` SGD steps over ``layout`` (one launch of layout.world_size ranks) and on one process.
 
-    Returns {"losses": the composed run's loss per step (from a last-stage rank), "reference": one
+    ``overrides``: changes to the tiny model's config (:data:`MOE` for its mixture-of-experts variant,
+    which a layout with ep > 1 needs). Returns {"losses": the composed run's loss per step (from a last-stage rank), "reference": one
     process's, "loss_rel_gap": max over steps of |Δloss| / loss, "param_gap": max |Δ| over every
     parameter, "n_params": tensors compared, "reporting": how many ranks reported a loss (the last
     stage's dp·tp), "spans": per rank, the traced step's spans, "coords": per rank {"dp","pp","tp"}}.
     """
-    args = (steps, lr, global_batch, seq_len, n_layers, seed, data_seed)
+    args = (steps, lr, global_batch, seq_len, n_layers, seed, data_seed, overrides)
     reference, ref_params = one_process(*args)
     out = launch(_composed_rank, layout.world_size, layout, *args, traced_step, timeout=300)
     reporting = [r["losses"] for r in out if r["losses"][0] is not None]

@@ -133,14 +133,13 @@ def shared_cores_cluster(
     world_size: int, cores: int, rate: float, pass_seconds: float, alpha: float
 ) -> planner.Cluster:
     """This machine as the planner sees it: ``world_size`` CPU ranks on ``cores`` cores computing at ``rate``
-    FLOP/s each (mfu 1: the rate is measured), messages costing ``alpha`` each plus 1 ns per byte (about
+    FLOP/s each (a measured rate), messages costing ``alpha`` each plus 1 ns per byte (about
     1 GB/s over loopback; the composed step's messages are at most a few tens of kB, so α dominates)."""
     link = (alpha, 1e-9)
     return planner.Cluster(
         "H100",  # only for the table's name: memory, peak and links are all given
         world_size,
         devices_per_node=world_size,
-        mfu=1.0,
         links={"scale_up": link, "scale_out": link},
         memory_bytes=2**30,
         peak_flops=rate,
