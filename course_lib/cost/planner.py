@@ -212,20 +212,28 @@ def reasons(cfg: ModelConfig, cluster: Cluster, layout: Layout, global_batch: in
     return out
 
 
+def rank_params(cfg: ModelConfig, layers, tp_size: int, ep_size: int, first: bool, last: bool) -> tuple[float, float]:
+    """(dense, expert) parameters one rank holds for the blocks ``layers``: the dense ones split over tp,
+    the routed experts over ep, the embedding on the first stage and the output layer on the last.
+    tests/parallel/test_dry_run.py counts them on the composed model's stages, built at full size."""
+    dense = expert = 0.0
+    for i in layers:
+        total = cfg.layer_params(i)
+        routed = 3 * cfg.d_model * cfg.moe_d_ff * cfg.n_routed_experts if cfg.is_moe_layer(i) else 0
+        dense, expert = dense + (total - routed) / tp_size, expert + routed / ep_size
+    if first and not cfg.tie_embeddings:
+        dense += cfg.vocab_size * cfg.d_model / tp_size
+    if last:
+        dense += (cfg.vocab_size * cfg.d_model + cfg.d_model) / tp_size
+    return dense, expert
+
+
 def _stage_params(cfg: ModelConfig, pp_size: int, tp_size: int, ep_size: int) -> tuple[float, float, int]:
     """(dense parameters per device, expert parameters per device, layers) on the busiest stage."""
     best = (0.0, 0.0, 0)
     for s in range(pp_size):
         layers = range(s * cfg.n_layers // pp_size, (s + 1) * cfg.n_layers // pp_size)
-        dense = expert = 0.0
-        for i in layers:
-            total = cfg.layer_params(i)
-            routed = 3 * cfg.d_model * cfg.moe_d_ff * cfg.n_routed_experts if cfg.is_moe_layer(i) else 0
-            dense, expert = dense + (total - routed) / tp_size, expert + routed / ep_size
-        if s == 0 and not cfg.tie_embeddings:
-            dense += cfg.vocab_size * cfg.d_model / tp_size
-        if s == pp_size - 1:
-            dense += (cfg.vocab_size * cfg.d_model + cfg.d_model) / tp_size
+        dense, expert = rank_params(cfg, layers, tp_size, ep_size, s == 0, s == pp_size - 1)
         if dense + expert > sum(best[:2]):
             best = (dense, expert, len(layers))
     return best

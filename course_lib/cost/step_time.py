@@ -197,8 +197,9 @@ def rank_pass_seconds(cfg: ModelConfig, cluster, layout, layers, seq_len: int) -
         parts["memory"] += tokens * elementwise_bytes_per_token(cfg, i) / ly.tp / bw
         if ly.tp > 1:
             ab = cluster.link(ly.tp)[1]
-            parts["tp"] += 2 * collective_seconds("all_gather", act, ly.tp, *ab)
-            parts["tp"] += 2 * collective_seconds("reduce_scatter", act, ly.tp, *ab)
+            parts["tp"] += sum(
+                collective_seconds(name, nbytes, ly.tp, *ab) for name, nbytes in tp_layer_collectives(act)
+            )
         if ly.cp > 1:  # K and V of the whole sequence, bf16; MLA gathers its compressed latent (DeepSeek-V2 §2.1)
             per_token = (
                 cfg.kv_lora_rank + cfg.qk_rope_head_dim if cfg.is_mla else 2 * cfg.n_kv_heads * cfg.head_dim / ly.tp
@@ -230,6 +231,16 @@ def rank_pass_seconds(cfg: ModelConfig, cluster, layout, layers, seq_len: int) -
         "ep": parts["ep"],
         "parts": parts,
     }
+
+
+def tp_layer_collectives(act_bytes: float) -> list[tuple[str, float]]:
+    """The collectives of one layer's forward (or backward) on a TP group, with sequence parallelism: an
+    all-gather of the hidden state before attention and before the MLP, a reduce-scatter after each
+    (Korthikanti et al. 2022, §4.2.2). ``act_bytes``: the whole hidden state, b·s·h elements. Without
+    sequence parallelism Megatron runs 2 all-reduces instead, which move the same bytes per rank
+    (2(N − 1)/N of the buffer each, :mod:`course_lib.cost.alpha_beta`): tests/parallel/test_dry_run.py
+    compares the composed step's all-reduces with these."""
+    return [("all_gather", act_bytes), ("reduce_scatter", act_bytes)] * 2
 
 
 def _ep_layer_seconds(cfg: ModelConfig, cluster, layout, tokens: float) -> float:
