@@ -215,7 +215,7 @@ def reasons(cfg: ModelConfig, cluster: Cluster, layout: Layout, global_batch: in
 def rank_params(cfg: ModelConfig, layers, tp_size: int, ep_size: int, first: bool, last: bool) -> tuple[float, float]:
     """(dense, expert) parameters one rank holds for the blocks ``layers``: the dense ones split over tp,
     the routed experts over ep, the embedding on the first stage and the output layer on the last.
-    tests/parallel/test_dry_run.py counts them on the composed model's stages, built at full size."""
+    tests/measure/test_simulated_ranks.py counts them on the composed model's stages, built at full size."""
     dense = expert = 0.0
     for i in layers:
         total = cfg.layer_params(i)

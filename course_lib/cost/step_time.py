@@ -189,15 +189,19 @@ def rank_pass_seconds(cfg: ModelConfig, cluster, layout, layers, seq_len: int) -
     act = tokens * cfg.d_model * 2  # one micro-batch's hidden state in bf16, whole (SP splits it over tp)
     d_qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim if cfg.is_mla else cfg.head_dim
     d_v = cfg.v_head_dim if cfg.is_mla else cfg.head_dim
+    # Layers of one kind (attention type, dense or MoE) cost the same: each kind is timed once, times its count.
+    kinds: dict[tuple[str, bool], list[int]] = {}
     for i in layers:
-        parts["gemm"] += _gemms_seconds(cfg, cluster, ly, i, tokens)
-        kind = cfg.layer_types[i]
+        kinds.setdefault((cfg.layer_types[i], cfg.is_moe_layer(i)), []).append(i)
+    for (kind, moe), same in kinds.items():
+        i, n = same[0], len(same)
+        parts["gemm"] += n * _gemms_seconds(cfg, cluster, ly, i, tokens)
         keys = {"full": seq_len / 2, "sliding": min(seq_len / 2, cfg.sliding_window), "linear": 0}[kind]
-        parts["attention"] += 2 * tokens * keys * cfg.n_heads / ly.tp * (d_qk + d_v) / (peak16 * eta16)
-        parts["memory"] += tokens * elementwise_bytes_per_token(cfg, i) / ly.tp / bw
+        parts["attention"] += n * 2 * tokens * keys * cfg.n_heads / ly.tp * (d_qk + d_v) / (peak16 * eta16)
+        parts["memory"] += n * tokens * elementwise_bytes_per_token(cfg, i) / ly.tp / bw
         if ly.tp > 1:
             ab = cluster.link(ly.tp)[1]
-            parts["tp"] += sum(
+            parts["tp"] += n * sum(
                 collective_seconds(name, nbytes, ly.tp, *ab) for name, nbytes in tp_layer_collectives(act)
             )
         if ly.cp > 1:  # K and V of the whole sequence, bf16; MLA gathers its compressed latent (DeepSeek-V2 §2.1)
@@ -205,9 +209,9 @@ def rank_pass_seconds(cfg: ModelConfig, cluster, layout, layers, seq_len: int) -
                 cfg.kv_lora_rank + cfg.qk_rope_head_dim if cfg.is_mla else 2 * cfg.n_kv_heads * cfg.head_dim / ly.tp
             )
             kv = ly.micro_batch * seq_len * per_token * 2
-            parts["cp"] += collective_seconds("all_gather", kv, ly.cp, *cluster.link(ly.tp * ly.cp)[1])
-        if ly.ep > 1 and cfg.is_moe_layer(i):
-            parts["ep"] += _ep_layer_seconds(cfg, cluster, ly, tokens)
+            parts["cp"] += n * collective_seconds("all_gather", kv, ly.cp, *cluster.link(ly.tp * ly.cp)[1])
+        if ly.ep > 1 and moe:
+            parts["ep"] += n * _ep_layer_seconds(cfg, cluster, ly, tokens)
     share = DUALPIPE_COMPUTE_SHARE if (ly.schedule == "dualpipe" and ly.ep > 1) else 1.0
     f_compute = (parts["gemm"] + parts["attention"] + parts["memory"]) / share
     w = parts["gemm"] / share  # the weight-gradient GEMMs: one of backward's two
@@ -238,7 +242,7 @@ def tp_layer_collectives(act_bytes: float) -> list[tuple[str, float]]:
     all-gather of the hidden state before attention and before the MLP, a reduce-scatter after each
     (Korthikanti et al. 2022, §4.2.2). ``act_bytes``: the whole hidden state, b·s·h elements. Without
     sequence parallelism Megatron runs 2 all-reduces instead, which move the same bytes per rank
-    (2(N − 1)/N of the buffer each, :mod:`course_lib.cost.alpha_beta`): tests/parallel/test_dry_run.py
+    (2(N − 1)/N of the buffer each, :mod:`course_lib.cost.alpha_beta`): tests/measure/test_simulated_ranks.py
     compares the composed step's all-reduces with these."""
     return [("all_gather", act_bytes), ("reduce_scatter", act_bytes)] * 2
 

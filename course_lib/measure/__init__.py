@@ -34,4 +34,9 @@ Communication:
 
 * :mod:`~course_lib.measure.collective_timing` — all-reduces and bucket sweeps, every collective from bytes to
   tens of MiB, and the alpha-beta fit judged on held-out sizes, against ``cost.alpha_beta``
+
+At real world sizes:
+
+* :mod:`~course_lib.measure.simulated_ranks`           — the composed model at hundreds of simulated ranks (fake process
+  group, meta device): each rank's parameters and TP collectives, against ``cost.planner`` and ``cost.step_time``
 """

@@ -6,5 +6,4 @@
 * :mod:`~course_lib.parallel.pipeline` — stages, schedules (1F1B, interleaved, zero-bubble, DualPipeV), the executor
 * :mod:`~course_lib.parallel.expert`  — expert parallelism: dispatch and combine by all-to-all
 * :mod:`~course_lib.parallel.compose` — DP × TP × PP (× EP) on one mesh, checked against one process
-* :mod:`~course_lib.parallel.dry_run` — the composed model at real world sizes, one simulated rank at a time
 """
