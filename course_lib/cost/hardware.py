@@ -78,6 +78,7 @@ class Accelerator:
     scale_out_bytes_per_s: Figure
     power_watts: Figure
     notes: str = ""
+    memory: str = "HBM"  # the memory technology behind hbm_bytes (the field names say HBM, as most parts have)
     figures: dict[str, Figure] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -264,6 +265,7 @@ MLU370 = Accelerator(
     Figure(None, "not specified: PCIe card, the server's NIC decides"),
     Figure(250, "Cambricon MLU370-X8 product page"),
     notes="a PCIe card with LPDDR5: built for inference and mid-size training",
+    memory="LPDDR5",
 )
 
 MLU590 = Accelerator(
