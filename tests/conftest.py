@@ -41,12 +41,17 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture
-def free_port() -> int:
+def free_tcp_port() -> int:
     """A TCP port nobody listens on right now (for servers and launchers started by a test)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture
+def free_port() -> int:
+    """:func:`free_tcp_port`, as a fixture."""
+    return free_tcp_port()
 
 
 @pytest.fixture

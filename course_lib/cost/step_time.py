@@ -57,6 +57,8 @@ from __future__ import annotations
 from course_lib.cost.alpha_beta import collective_seconds
 from course_lib.cost.expert_dispatch import ep_layer_comm_seconds
 from course_lib.cost.expert_routing import expected_distinct_nodes
+from course_lib.cost.flops import matmul_bytes, matmul_flops
+from course_lib.cost.roofline import roofline_flops
 from course_lib.model.config import ModelConfig
 
 GEMM_EFFICIENCY = {"H100": 0.65}
@@ -140,9 +142,10 @@ def elementwise_bytes_per_token(cfg: ModelConfig, i: int, bytes_per_element: int
 
 
 def _gemm_seconds(m: float, n: float, k: float, peak: float, eta: float, bandwidth: float, bpe: float) -> float:
-    """Roofline of one GEMM [m, k]·[k, n]: compute at η·peak or memory traffic at HBM speed, the slower."""
-    flops = 2 * m * n * k
-    return max(flops / (peak * eta), bpe * (m * k + k * n + m * n) / bandwidth)
+    """One GEMM [m, k]·[k, n] at the roofline's attainable rate (:func:`course_lib.cost.roofline.roofline_flops`)
+    under the sustained peak η·peak: compute-bound or memory-bound, whichever is slower."""
+    flops = matmul_flops(m, n, k)
+    return flops / roofline_flops(flops / matmul_bytes(m, n, k, bpe), peak * eta, bandwidth)
 
 
 def _gemms_seconds(cfg, cluster, layout, i: int, tokens: float) -> float:

@@ -22,18 +22,14 @@ from pathlib import Path
 
 import pytest
 
+from conftest import free_tcp_port
+
 pytestmark = [pytest.mark.slow, pytest.mark.launch_heavy]
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = "examples/composed_training/run.py"
 SBATCH = "examples/composed_training/slurm.sbatch"
 DAEMONS = ("slurmd", "slurmctld", "munged")  # stopped in this order
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _installed() -> bool:
@@ -58,8 +54,8 @@ def _config(folder: Path, host: str) -> str:
             "ReturnToService=2",
             "AccountingStorageType=accounting_storage/none",
             "JobCompType=jobcomp/none",
-            f"SlurmctldPort={_free_port()}",
-            f"SlurmdPort={_free_port()}",
+            f"SlurmctldPort={free_tcp_port()}",
+            f"SlurmdPort={free_tcp_port()}",
             f"StateSaveLocation={folder / 'state'}",
             f"SlurmdSpoolDir={folder / 'spool'}",
             f"SlurmctldPidFile={folder / 'slurmctld.pid'}",
