@@ -40,13 +40,15 @@ def pytest_unconfigure(config):
 
 
 # The lectures whose cells time something against a model, and what: they run alone (marker serial,
-# see course_lib/cli.py). The others (04, 05, 06, 09: counts, bytes, tokens and losses) share the cores.
+# see course_lib/cli.py). The others (04, 05, 06, 08b, 09: counts, bytes, tokens and losses) share the cores.
+# Keyed by the part of the file name before the first "_": "01" for 01_foundations.ipynb, "08a" and "08b"
+# for the two parts of lecture 08.
 TIMED_LECTURES = {
     "01": "the machine's peak FLOP/s and MFU, optimizer steps timed",
     "02": "DDP's buckets against the α-β model, all-reduces timed",
     "03": "the pipeline's measured bubble against (p - 1)/(m + p - 1)",
     "07": "kernels under the roofline",
-    "08": "the α-β fit's held-out sizes, the DDP timeline",
+    "08a": "the α-β fit's held-out sizes, the DDP timeline",
     "10": "the composed layouts' measured step times against the planner",
 }
 
@@ -55,5 +57,5 @@ def pytest_collection_modifyitems(items):
     """A lecture that times something runs alone (marker ``serial``): a test sharing the cores would move
     its figures (lecture 03's measured bubble missed its 15% by 1 point beside another worker)."""
     for item in items:
-        if item.path.suffix == ".ipynb" and item.path.name[:2] in TIMED_LECTURES:
+        if item.path.suffix == ".ipynb" and item.path.name.split("_")[0] in TIMED_LECTURES:
             item.add_marker(pytest.mark.serial)

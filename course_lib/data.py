@@ -340,7 +340,7 @@ class TokenDataset(torch.utils.data.Dataset):
         (seed, G): torch.cat of the W ranks' batches at step s equals step s of
         ``batches(G, rank=0, world_size=1, seed)``, and data-parallel training at any world size
         sees exactly the batches of single-process training (lecture 02 checks DDP against it;
-        lecture 08 reshards a resumed run to another world size). A last, incomplete global
+        lecture 08b reshards a resumed run to another world size). A last, incomplete global
         batch is dropped: it could not be split evenly. ``epochs=None`` repeats forever; to resume
         at step s, ``itertools.islice(ds.batches(...), s, None)``.
         """

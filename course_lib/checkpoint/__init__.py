@@ -2,7 +2,7 @@
 
 Built on PyTorch's Distributed Checkpoint (``torch.distributed.checkpoint``, DCP), the engine large
 runs use for sharded model and optimizer state, plus what DCP does not give by itself and a course
-should teach (lecture 08). Reading order:
+should teach (lecture 08b). Reading order:
 
 * :mod:`~course_lib.checkpoint.commit`      — the atomic commit (temp directory, manifest of sizes
   and sha256, rename), :func:`verify` with a clear :class:`CorruptCheckpoint`, :func:`latest`,

@@ -1,4 +1,4 @@
-"""The atomic commit: a checkpoint directory exists complete, or not at all (lecture 08).
+"""The atomic commit: a checkpoint directory exists complete, or not at all (lecture 08b).
 
 torch.distributed.checkpoint (DCP) writes one file per rank plus a ``.metadata`` index, but a job
 killed half-way leaves a directory that *looks* like a checkpoint: some shard files, maybe a

@@ -1,4 +1,4 @@
-"""Sharded save and load through torch.distributed.checkpoint, with resharding (lecture 08).
+"""Sharded save and load through torch.distributed.checkpoint, with resharding (lecture 08b).
 
 PyTorch's Distributed Checkpoint (DCP, ``torch.distributed.checkpoint``; docs: "Getting Started with
 Distributed Checkpoint") is what torchtitan and other large-scale trainers use. Its model:

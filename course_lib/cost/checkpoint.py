@@ -2,7 +2,7 @@
 
 What a checkpoint of ZeRO training holds is the model states of :mod:`course_lib.cost.memory`
 without the gradients (they are recomputed by the next step): the parameters in their compute
-precision, the fp32 master copy when there is one, and Adam's two fp32 moments. Lecture 08 writes
+precision, the fp32 master copy when there is one, and Adam's two fp32 moments. Lecture 08b writes
 each kind with :mod:`course_lib.checkpoint` and :mod:`course_lib.experiments.lecture08.checkpoint_runs` sets the
 files' sizes beside these formulas (tests/checkpoint/test_checkpoint.py).
 

@@ -3,7 +3,7 @@
 Floating-point addition is not associative, and a collective library chooses the order of a sum
 for speed: gloo's ring starts each chunk of the buffer at a different rank, NCCL picks ring or tree
 by message size and topology, so the same contributions can sum to different bits depending on
-the algorithm, the world size or an element's position in the buffer (lecture 08 measures it;
+the algorithm, the world size or an element's position in the buffer (lecture 08b measures it;
 :func:`course_lib.experiments.lecture08.reproducibility.allreduce_orders` shows the orders). Deterministic
 training needs the order fixed. The plain way: gather every rank's tensor and add them in rank
 order, as a single process accumulating micro-batch 0, 1, ... would.

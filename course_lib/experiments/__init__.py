@@ -9,13 +9,14 @@ tests and benchmarks only: nothing in the library imports this package, and it i
 Shared by every lecture:
 
 * :mod:`~course_lib.experiments.small_run`   — the data factory (windows and batches of the synthetic
-  language) and the training loop with its hooks
+  language), the training loop with its hooks, and the recipe of the runs whose point is training
+  quality (``RECIPE``, ``quality_language``, ``check_learned``: below the bigram floor or an error)
 * :mod:`~course_lib.experiments.third_party` — third-party frameworks on the course's device
   (``framework_devices``), their C++ extensions' folder, ``accelerate launch``
 
 Lecture 02, data and tensor parallelism (:mod:`course_lib.experiments.lecture02`):
 
-* :mod:`~.lecture02.ddp_trace`        — one traced DDP step, for the overlap timeline (also lecture 08)
+* :mod:`~.lecture02.ddp_trace`        — one traced DDP step, for the overlap timeline (also lecture 08a)
 * :mod:`~.lecture02.zero_stages`      — bytes held and moved by each ZeRO stage beside the formulas; ZeRO-3's
   allocator timeline
 * :mod:`~.lecture02.tp_collectives`   — collectives of one TP and TP+SP block and of a TP step; course_lib's
@@ -31,6 +32,10 @@ Lecture 03, pipeline, sequence and expert parallelism (:mod:`course_lib.experime
 * :mod:`~.lecture03.expert_training`        — the MoE model trained at 1 and N expert-parallel ranks: losses,
   expert loads under each balancing method, all-to-all bytes and bandwidth
 
+Lecture 04, frontier architectures (:mod:`course_lib.experiments.lecture04`):
+
+* :mod:`~.lecture04.mtp_run` — the quality recipe with and without one multi-token-prediction module
+
 Lecture 05, training optimisations (:mod:`course_lib.experiments.lecture05`):
 
 * :mod:`~.lecture05.precision_comparison`      — the course model trained in fp32, bf16 autocast and FP8 (tensor,
@@ -38,7 +43,9 @@ Lecture 05, training optimisations (:mod:`course_lib.experiments.lecture05`):
 * :mod:`~.lecture05.fixed_point_regression`    — least squares with fixed-point weights, nearest against
   stochastic rounding
 * :mod:`~.lecture05.gradient_compression_runs` — the tiny model trained under each gradient-compression hook:
-  loss and bytes per step
+  loss and bytes per step, against the uncompressed run's seed band
+* :mod:`~.lecture05.merging_runs`              — a model soup of one task, task arithmetic over two, and the
+  average of two initialisations (the negative control)
 * :mod:`~.lecture05.qlora_finetune`            — QLoRA on the tiny model: NF4 base and adapters, training, bytes
   held
 * :mod:`~.lecture05.distillation_run`          — a teacher distilled into a smaller student, beside the same
@@ -58,15 +65,15 @@ Lecture 07, hardware (:mod:`course_lib.experiments.lecture07`):
 * :mod:`~.lecture07.node_routing` — distinct nodes a token's experts live on, with and without node-limited
   routing
 
-Lecture 08, systematic challenges (:mod:`course_lib.experiments.lecture08`):
+Lecture 08, systematic challenges, in two parts (:mod:`course_lib.experiments.lecture08`):
 
-* :mod:`~.lecture08.spike_remedies`       — a loss spike provoked on the course model and each remedy's curve;
-  what z-loss does
-* :mod:`~.lecture08.checkpoint_runs`      — training with checkpoints: a rank killed and resumed, resharding, a
-  killed save, sizes
-* :mod:`~.lecture08.reproducibility`      — summation orders, seeds, deterministic mode, TF32 (also lab 11's
-  tests)
-* :mod:`~.lecture08.lineage_fingerprints` — SeedPrints-style fingerprints: do two models share an
+* :mod:`~.lecture08.spike_remedies`       — 08a: a loss spike provoked on the course model and each remedy's
+  curve; what z-loss does
+* :mod:`~.lecture08.checkpoint_runs`      — 08b: training with checkpoints: a rank killed and resumed,
+  resharding, a killed save, sizes
+* :mod:`~.lecture08.reproducibility`      — 08b: summation orders, seeds, deterministic mode, TF32 (also lab
+  11's tests)
+* :mod:`~.lecture08.lineage_fingerprints` — 08b: SeedPrints-style fingerprints: do two models share an
   initialisation?
 
 Lecture 09, frameworks (:mod:`course_lib.experiments.lecture09`):

@@ -6,7 +6,7 @@ for the collectives' algorithms):
 * :func:`time_all_reduce` (lecture 02): gloo's all-reduce at growing sizes, and one gradient buffer
   all-reduced in buckets of several sizes (the bucket-size sweep, against
   :func:`course_lib.cost.ddp_timeline.bucketed_all_reduce_seconds`); each figure a median.
-* :func:`time_collectives` and :func:`time_and_fit` (lectures 07 and 08): gloo's ring all-reduce, a
+* :func:`time_collectives` and :func:`time_and_fit` (lectures 07 and 08a): gloo's ring all-reduce, a
   binomial-tree all-reduce, all-gather, reduce-scatter, all-to-all and a point-to-point ping-pong,
   each at message sizes from a few bytes to tens of MiB, in **one** launch (starting ranks costs
   seconds), and (α, β) fitted on some sizes and judged on the held-out others. Sizes and collectives

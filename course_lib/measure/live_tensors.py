@@ -3,7 +3,7 @@
 It sees what saved-tensor hooks (:class:`course_lib.measure.saved_tensors.SavedTensorMeter`) cannot:
 the temporaries of the backward pass, and the tensors activation checkpointing recomputes. Lecture 06
 sets its peaks beside :func:`course_lib.cost.activations.recompute_peak_bytes`
-(:mod:`course_lib.experiments.lecture06.recompute_memory`); lecture 08 reads a step's memory curve off it.
+(:mod:`course_lib.experiments.lecture06.recompute_memory`); lecture 08a catches a leak with it.
 Tested in tests/model/test_recompute.py.
 """
 

@@ -1,4 +1,4 @@
-"""Learning-rate schedules as pure functions of the step (lecture 08, Systematic challenges).
+"""Learning-rate schedules as pure functions of the step (lecture 08a, Systematic challenges part 1).
 
 A schedule here is a *factor* f(step) that multiplies the optimizer's base learning rate η:
 lr(step) = η · f(step). ``torch.optim.lr_scheduler.LambdaLR`` does the plumbing (it sets each

@@ -1,5 +1,5 @@
 """Training-stability tools: the output-logit z-loss, global-norm gradient clipping, a loss-spike guard
-(lecture 08, Systematic challenges).
+(lecture 08a, Systematic challenges part 1).
 
     z-loss            L_z = c · mean over positions of (log Z)²,   log Z = logsumexp(logits)
                       (PaLM, Chowdhery et al. 2022, §5 "Loss function": c = 1e-4)

@@ -1,4 +1,4 @@
-"""Plots for lecture 08 (stability and reproducibility).
+"""Plots for lectures 08a (stability) and 08b (reproducibility).
 
     remedy_panels({"baseline": losses, "clip 1.0": losses, ...}, floor=1.215)
                                         one panel per remedy, the baseline in grey behind it

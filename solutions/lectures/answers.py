@@ -64,9 +64,14 @@ def paged_waste_slots(lengths, block_size):
     return sum(-(-n // block_size) * block_size - n for n in lengths)
 
 
-# Lecture 08, §4: lost time per unit of work C/τ + τ/(2M) is smallest where -C/τ² + 1/(2M) = 0 (Young 1974).
-def checkpoint_interval(checkpoint_s, mtbf_s):
-    return (2 * checkpoint_s * mtbf_s) ** 0.5
+# Lecture 08b, §1: n GPUs failing independently, each every M_gpu seconds on average: the rates add, so the
+# cluster fails every M = M_gpu / n. Lost time per second of work L(τ) = C/τ + (R + τ/2)/M (writing; per
+# failure the restart and half an interval redone); L'(τ) = -C/τ² + 1/(2M) = 0 at τ* = sqrt(2CM) (Young 1974:
+# R does not depend on τ, so it does not move the optimum), where L = sqrt(2C/M) + R/M.
+def checkpoint_plan(n_gpus, gpu_mtbf_s, checkpoint_s, restart_s):
+    mtbf = gpu_mtbf_s / n_gpus
+    interval = (2 * checkpoint_s * mtbf) ** 0.5
+    return interval, checkpoint_s / interval + (restart_s + interval / 2) / mtbf
 
 
 # Lecture 09, §6: every scheme whose device grid exists for p, ranked by the elements a device receives;

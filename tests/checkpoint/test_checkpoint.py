@@ -1,4 +1,4 @@
-"""Fault tolerance (course_lib.checkpoint, lecture 08) in one process: atomic commit, corruption, keep-last-k,
+"""Fault tolerance (course_lib.checkpoint, lecture 08b) in one process: atomic commit, corruption, keep-last-k,
 incremental and quantized checkpoints, the data position and the RNG states; DCP saves and loads without a
 process group. With ranks (resharding, a save killed before its manifest, sizes at 2 ranks):
 tests/checkpoint/test_checkpoint_multirank.py; the run killed with SIGKILL and resumed bit for bit:

@@ -1,4 +1,4 @@
-"""Fault tolerance (course_lib.checkpoint, lecture 08) across ranks: every ZeRO stage saved at 4 ranks loads
+"""Fault tolerance (course_lib.checkpoint, lecture 08b) across ranks: every ZeRO stage saved at 4 ranks loads
 exactly at 2, a run resharded 4 -> 2 -> 4 continues with the same losses, a save killed before its manifest
 leaves the previous checkpoint, and incremental and quantized sizes against the formulas. The ranks are those
 of course_lib.experiments.lecture08.checkpoint_runs, the code the lecture runs; the single-process tests are

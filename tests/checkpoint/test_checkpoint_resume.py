@@ -1,6 +1,6 @@
 """A rank SIGKILLed at a random step, the run resumed from its last checkpoint: bit for bit the uninterrupted run.
 
-Acceptance test of lecture 08's fault tolerance (course_lib.checkpoint). Three launches of
+Acceptance test of lecture 08b's fault tolerance (course_lib.checkpoint). Three launches of
 course_lib.experiments.lecture08.checkpoint_runs.train at 2 ranks: uninterrupted; killed (rank and step drawn from a seeded
 random.Random); resumed from latest(root). ZeRO-3 with bf16 parameters, fp32 master weights and Adam moments, and a
 token dropout drawn from each rank's torch RNG: the parameters, the optimizer state, the data position and the RNG

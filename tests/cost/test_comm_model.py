@@ -5,7 +5,7 @@
 * the fit recovers α and β from exact data, and the relative fit is the one that survives noise over
   seven decades of message size;
 * the acceptance test against gloo, α and β fitted on 11 of 16 message sizes measured here predicting
-  the other 5 within 25% for each collective, is lecture 08's fit cell under nbval: one measurement per
+  the other 5 within 25% for each collective, is lecture 08a's fit cell under nbval: one measurement per
   CI run (35-40 s alone on the machine), not one here and one there (``time_and_fit`` does both);
 * Zhao et al.'s (Insights into DeepSeek-V3, ISCA 2025) worked example (120.96 µs) exactly, H800 against H100 for TP and EP, and the distinct
   nodes a routed token reaches, with and without DeepSeek-V3's node limit.
@@ -32,7 +32,14 @@ from course_lib.cost.alpha_beta import (
 )
 from course_lib.cost.expert_dispatch import ep_comm_time, ep_layer_comm_seconds
 from course_lib.cost.expert_routing import distinct_nodes_variance, expected_distinct_nodes
-from course_lib.cost.links import link_alpha_beta, step_comm_on, tp_step_comm_seconds
+from course_lib.cost.links import (
+    NCCL_HOP_LATENCY_S,
+    NCCL_RING_LL_BASE_LATENCY_S,
+    all_reduce_seconds,
+    link_alpha_beta,
+    step_comm_on,
+    tp_step_comm_seconds,
+)
 from course_lib.dist import device, launch
 from course_lib.experiments.lecture07.node_routing import route_distinct_nodes, standard_error
 from course_lib.measure.collective_timing import (
@@ -143,10 +150,28 @@ def test_insights_into_deepseek_v3_ep_example_is_120_96_us():
     assert layer["seconds"] == layer["ib_s"], "InfiniBand is the bottleneck: NVLink forwards 9 copies at 4x the speed"
 
 
+def test_a_small_all_reduce_pays_the_measured_latency_once_and_nccls_per_step_latency():
+    """Table 5's 3.33 µs is one small transfer end to end: all_reduce_seconds charges it once, plus NCCL's per-step
+    latency δ on each of the ring's 2(N − 1) steps (NCCL's own model: 6.6 µs + 14 × 0.6 µs at N = 8). Charging α on
+    every message (Thakur et al.'s form) is the same function with alpha=0, hop_latency=α."""
+    alpha, beta = link_alpha_beta("H800")
+    hop = NCCL_HOP_LATENCY_S["scale_up"]
+    assert all_reduce_seconds("H800", 0, 8) == pytest.approx(alpha + 14 * hop)
+    assert all_reduce_seconds("H800", 1e6, 8) == pytest.approx(alpha + 14 * hop + 14 / 8 * 1e6 * beta)
+    per_message = all_reduce_seconds("H800", 1e6, 8, alpha=0, hop_latency=alpha)
+    assert per_message == pytest.approx(ring_all_reduce_seconds(1e6, 8, alpha, beta)), (
+        "the per-message form is Thakur's"
+    )
+    nccl = NCCL_RING_LL_BASE_LATENCY_S + 14 * hop
+    assert all_reduce_seconds("H800", 0, 8) < nccl < per_message / 3, "the measured α once sits below NCCL's own base"
+    assert all_reduce_seconds("H800", 1e6, 1) == 0.0, "one GPU sends nothing"
+
+
 def test_h800_tp_comm_is_h100_times_the_bandwidth_ratio():
     kw = dict(tokens=4096, hidden=7168, n_layers=61, tp_size=8)
     assert link_alpha_beta("H800")[1] == 1 / 200e9 and link_alpha_beta("H100")[1] == 1 / 450e9
-    ratio = tp_step_comm_seconds("H800", **kw, alpha=0) / tp_step_comm_seconds("H100", **kw, alpha=0)
+    bytes_only = dict(alpha=0, hop_latency=0)
+    ratio = tp_step_comm_seconds("H800", **kw, **bytes_only) / tp_step_comm_seconds("H100", **kw, **bytes_only)
     assert ratio == pytest.approx(450 / 200), "bandwidth-bound TP time scales with 1/bandwidth"
     with_latency = tp_step_comm_seconds("H800", **kw) / tp_step_comm_seconds("H100", **kw)
     assert 1 < with_latency < 450 / 200, "the latency terms do not scale with the bandwidth: the ratio falls short"

@@ -21,8 +21,8 @@ from torchao.float8.float8_training_tensor import LinearMMConfig
 from course_lib.experiments.lecture05.precision_comparison import (
     compare_precisions,
     precision_config,
-    precision_language,
 )
+from course_lib.experiments.small_run import quality_language
 from course_lib.model.transformer import Transformer
 from course_lib.precision.fp8_gemm import fp8_matmul
 from course_lib.precision.fp8_linear import FP8Linear, convert_to_fp8_training
@@ -102,7 +102,7 @@ def runs():
 
 @pytest.mark.slow
 def test_training_reduces_the_loss_below_the_bigram_floor_in_every_precision(runs):
-    lang = precision_language()
+    lang = quality_language()
     bigram = lang.conditional_entropy(1)  # the best loss from the last token alone: 1.682 nats
     for p, losses in runs["loss"].items():
         first = losses[0]

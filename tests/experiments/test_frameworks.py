@@ -1,7 +1,8 @@
 """Lecture 09's side-by-sides, asserted: each framework beside course_lib on the same model, data and seed.
 
 DeepSpeed ZeRO-2 under `accelerate launch`, torch's FSDP2 and Lightning Fabric's DDP run for real on 2
-gloo ranks (course_lib.experiments.lecture09); the configuration search's claims come from course_lib.cost.
+gloo ranks (course_lib.experiments.lecture09); the configuration search's claims come from course_lib.cost (the
+TP scheme per layer of lecture 09; the planner's search over layouts, which lecture 10 shows).
 vLLM, torch.distributed.pipelining and Megatron-Core are checked in test_vllm.py, test_pipeline.py and
 test_tensor_parallel.py.
 """

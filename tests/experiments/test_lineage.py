@@ -1,6 +1,6 @@
 """SeedPrints-style lineage (course_lib.experiments.lecture08.lineage_fingerprints): calibrated on one family, checked on others.
 
-The acceptance test of lecture 08: the decision rule (a threshold on the permutation z-score) is
+The acceptance test of lecture 08b: the decision rule (a threshold on the permutation z-score) is
 set on one family of models, init seeds 0 and 1, and then must tell relatives from strangers on
 models it never saw: other init seeds, another architecture (96 wide, 3 layers), and fine-tunes on
 another language of two pretrained bases.
@@ -20,7 +20,7 @@ from course_lib.experiments.lecture08 import lineage_fingerprints
 from course_lib.model import configs
 from course_lib.model.transformer import Transformer
 
-pytestmark = pytest.mark.slow  # lecture 08's fingerprint runs train several models
+pytestmark = pytest.mark.slow  # lecture 08b's fingerprint runs train several models
 
 RECIPES = (("a", 10, 3e-3), ("b", 20, 1e-2))  # relatives differ in data seed and learning rate
 

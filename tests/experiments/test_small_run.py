@@ -90,3 +90,12 @@ def test_an_objective_that_raises_stops_the_run():
             model, torch.optim.SGD(model.parameters(), lr=0.1), small_run.batches(4, 2, 8, 0), objective=objective
         )
     assert len(seen) == 2
+
+
+def test_check_learned_names_the_run_and_the_floor():
+    lang = small_run.quality_language()
+    with pytest.raises(AssertionError, match="my run: final loss 2.000 .* bigram floor 1.682"):
+        small_run.check_learned([2.0] * 10, lang, "my run")
+    assert small_run.check_learned([3.0] * 5 + [1.0] * 10, lang, "ok") == 1.0  # the mean of the last ten
+    with pytest.raises(ValueError, match="at least 10 losses"):
+        small_run.final_loss([1.0] * 3)

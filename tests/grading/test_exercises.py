@@ -41,8 +41,8 @@ def _run_check(name: str, ns: dict, tp_counted) -> str:
         return exercises.check_paged_waste_slots(ns[name])
     if name == "compute_bound_tokens":
         return exercises.check_compute_bound_tokens(ns[name])
-    if name == "checkpoint_interval":
-        return exercises.check_checkpoint_interval(ns[name])
+    if name == "checkpoint_plan":
+        return exercises.check_checkpoint_plan(ns[name])
     if name == "best_tp_scheme":
         return exercises.check_best_tp_scheme(ns[name])
     if name == "valid_layouts":
@@ -61,7 +61,7 @@ EXERCISES = [
     ("05_frontier_training_optimizations.ipynb", "lora_trainable_params"),
     ("06_memory_kv_cache_and_checkpointing.ipynb", "paged_waste_slots"),
     ("07_hardware_landscape_and_domestic_accelerators.ipynb", "compute_bound_tokens"),
-    ("08_systematic_challenges.ipynb", "checkpoint_interval"),
+    ("08b_failures_checkpoints_reproducibility.ipynb", "checkpoint_plan"),
     ("09_frameworks_and_toolchains.ipynb", "best_tp_scheme"),
     ("10_capstone_and_outlook.ipynb", "valid_layouts"),
 ]
@@ -106,6 +106,16 @@ def test_the_reference_answer_passes_its_check(notebook, name, monkeypatch, tp_c
     assert _run_check(name, ns, tp_counted)
 
 
+def _plan(interval):
+    """A checkpoint_plan that picks its interval by ``interval(C, R, M, M_gpu)`` and evaluates the loss there."""
+
+    def checkpoint_plan(n, gpu_mtbf, c, r):
+        tau = interval(c, r, gpu_mtbf / n, gpu_mtbf)
+        return tau, c / tau + (r + tau / 2) / (gpu_mtbf / n)
+
+    return checkpoint_plan
+
+
 def test_a_wrong_answer_fails_with_what_to_look_at(tp_counted):
     def coupled_decay(p, g, m, v, t, lr, beta1, beta2, eps, weight_decay):
         g = g + weight_decay * p  # Adam + L2, not AdamW
@@ -119,6 +129,14 @@ def test_a_wrong_answer_fails_with_what_to_look_at(tp_counted):
         exercises.check_ring_forward_bytes(lambda B, S, HKV, D, N: B * S * HKV * D * 4, 49152, *RING.values())
     with pytest.raises(AssertionError, match="the 'sliding' ones only the last"):  # no window: every layer grows
         exercises.check_kv_cache_bytes(lambda cfg, L: 2 * cfg.n_kv_heads * cfg.head_dim * 2 * cfg.n_layers * L)
+    with pytest.raises(AssertionError, match="Derive the count"):  # the library's count is not an answer
+        exercises.check_kv_cache_bytes(lambda cfg, L: cfg.kv_cache_bytes(L, 2))
+    with pytest.raises(AssertionError, match="512-token window"):  # the window typed in as gpt-oss's 128
+        exercises.check_kv_cache_bytes(
+            lambda cfg, L: (
+                4 * cfg.n_kv_heads * cfg.head_dim * sum(L if t == "full" else min(L, 128) for t in cfg.layer_types)
+            )
+        )
     with pytest.raises(AssertionError, match="wk and wv map d_model"):  # every projection d_model wide
         exercises.check_lora_trainable_params(lambda cfg, t, r: cfg.n_layers * len(t) * 2 * r * cfg.d_model)
     with pytest.raises(AssertionError, match="wk and wv map d_model"):  # one layer only
@@ -132,7 +150,13 @@ def test_a_wrong_answer_fails_with_what_to_look_at(tp_counted):
     with pytest.raises(AssertionError, match="grid exists"):  # always the 3D grid, whatever p
         exercises.check_best_tp_scheme(lambda b, h, n, p: "3d")
     with pytest.raises(AssertionError, match="set its derivative to zero"):  # forgot the factor 2
-        exercises.check_checkpoint_interval(lambda c, m: (c * m) ** 0.5)
+        exercises.check_checkpoint_plan(_plan(lambda c, r, m, gpu: (c * m) ** 0.5))
+    with pytest.raises(AssertionError, match="any of the n GPUs"):  # one GPU's MTBF for the cluster's
+        exercises.check_checkpoint_plan(_plan(lambda c, r, m, gpu: (2 * c * gpu) ** 0.5))
+    with pytest.raises(AssertionError, match="does not move the optimum"):  # the restart counted as a checkpoint
+        exercises.check_checkpoint_plan(_plan(lambda c, r, m, gpu: (2 * (c + r) * m) ** 0.5))
+    with pytest.raises(AssertionError, match="add R/M"):  # the right interval, the restart left out of the loss
+        exercises.check_checkpoint_plan(lambda n, g, c, r: ((2 * c * g / n) ** 0.5, (2 * c * n / g) ** 0.5))
     with pytest.raises(AssertionError, match="find the first m"):  # the m >> k, n limit: 2m/b = ridge
         exercises.check_compute_bound_tokens(lambda k, n, b, peak, bw: int(peak / bw * b / 2))
     with pytest.raises(AssertionError, match="tp must divide the heads, the key/value heads"):  # kv heads forgotten

@@ -214,6 +214,26 @@ def test_attention_output_within_the_derived_bound(small_qkv, bits, residual):
         assert r["worst_ratio"] > 0.01, "a bound 100x above every error would not test anything"
 
 
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_bf16_model_caches_within_their_bound_and_bf16_rounding_is_the_floor(small_qkv, bits):
+    """As in a bf16 model (lecture 06's table): the K/V reach the cache in bf16, the reference is exact fp32 attention.
+    The bound adds u·|k| for the rounding (and 2u·|k̂| where a dequantized value is cast back); ``bits=None`` is the
+    plain bf16 cache, and every quantized cache errs more than it, layer by layer."""
+    for layer, (q, k, v) in enumerate(small_qkv):
+        kw = dict(prompt_len=16, dtype=torch.bfloat16, group_size=32, residual=32)
+        r = kv_quantization_error.decode_attention_error(q, k, v, bits=bits, **kw)
+        assert r["worst_ratio"] <= 1 + 1e-4, (
+            f"layer {layer}, bits {bits}: attention moved {r['worst_ratio']:.3f}x its bound; look at how "
+            "decode_attention_error adds the rounding to bf16 to the cache's error bounds"
+        )
+        assert r["worst_ratio"] > 0.01, "a bound 100x above every error would not test anything"
+        if bits is not None:
+            plain = kv_quantization_error.decode_attention_error(q, k, v, bits=None, **kw)["relative"]
+            assert r["relative"] > plain, f"layer {layer}: INT{bits} on bf16 K/V erred less than bf16 alone"
+    with pytest.raises(ValueError, match="dtype"):
+        kv_quantization_error.decode_attention_error(q, k, v, bits=None)
+
+
 def test_logit_error_scales_with_the_step(small):
     """To first order the error is proportional to the step s = range/(2^b − 1): INT4's logits move about 255/15 = 17
     times as far as INT8's. Measured: 16.6 (no window) and 18.2 (window of 32); the test allows a factor 2 either way."""

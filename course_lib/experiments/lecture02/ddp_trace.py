@@ -1,6 +1,6 @@
 """One traced DDP training step on N ranks, for lecture 02's overlap timeline.
 
-Used again by lecture 08. Tested in tests/parallel/data/test_ddp.py and tests/dist/test_trace_export.py.
+Used again by lecture 08a. Tested in tests/parallel/data/test_ddp.py and tests/dist/test_trace_export.py.
 """
 
 from __future__ import annotations

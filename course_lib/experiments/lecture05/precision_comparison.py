@@ -29,12 +29,14 @@ noise of a fast-descending trajectory, not FP8's bias (tests/experiments/test_fp
 threshold from this). An FP8 step costs 2-3 times a bf16 one here: the casts and the GEMM are
 emulated in eager PyTorch (benchmarks/bench_fp8.py times the GEMMs on their own).
 
-* :func:`precision_config`, :func:`precision_language` — the model and the data;
+* :func:`precision_config` — the model; the data is the quality runs' language, :func:`course_lib.experiments.small_run.quality_language`;
 * :func:`train_precision` — one run: per-step losses and seconds;
 * :func:`compare_precisions` — the same run in several precisions, final losses and gaps vs bf16.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -44,9 +46,10 @@ from course_lib.experiments import small_run
 from course_lib.model import configs
 from course_lib.model.config import ModelConfig
 from course_lib.model.transformer import Transformer, next_token_loss
+from course_lib.precision import fp8_linear, fp8_scaling
 from course_lib.precision.fp8_linear import convert_to_fp8_training
 
-__all__ = ["PRECISIONS", "compare_precisions", "precision_config", "precision_language", "train_precision"]
+__all__ = ["PRECISIONS", "compare_precisions", "miscalibrated_scales", "precision_config", "train_precision"]
 
 PRECISIONS = ("fp32", "bf16", "fp8-tensor", "fp8-block")
 FP8_KEEP = ("output",)  # the head stays in fp32 (DeepSeek-V3 §3.3.1: embedding and output head in high precision)
@@ -63,16 +66,29 @@ def precision_config(d_model: int = 128, d_ff: int = 384, seq_len: int = 32, **o
     return configs.get("tiny", d_model=d_model, d_ff=d_ff, max_seq_len=seq_len, **overrides)
 
 
-def precision_language() -> MarkovLanguage:
-    """The language these runs learn: order 2 over 8 symbols, Dirichlet concentration 0.1, seed 0.
+@contextlib.contextmanager
+def miscalibrated_scales(factor: float = 16.0):
+    """The negative control of the FP8 runs: inside the block, every scale FP8Linear computes is ``factor``
+    times too small (s = amax/448/factor), so every value above amax/factor saturates at ±448·s.
 
-    Its floors (nats/token): unigram 2.010, bigram 1.682, entropy rate 0.717. The course's default
-    language (16 symbols, concentration 0.3) keeps a small model on its unigram/bigram plateau for
-    the first ~150 steps, where the output head alone (kept in fp32) does the learning: an FP8
-    run that zeroed every block would match bf16 there. This one is below its bigram floor
-    within ~40 steps at batch 16, so the loss depends on attention and the MLPs, the FP8 GEMMs.
+    A planted bug, not a recipe: with ``factor`` = 16 the FP8 runs stall above the bigram floor, which
+    is what shows that the comparison with bf16 can fail. It patches the name ``quantize`` in
+    :mod:`course_lib.precision.fp8_linear` for the duration of the block and restores it after.
     """
-    return MarkovLanguage(order=2, n_symbols=8, concentration=0.1)
+    original = fp8_linear.quantize
+
+    def too_small(x, fmt, recipe="tensor", **kwargs):
+        _, s = original(x, fmt, recipe, **kwargs)
+        f = fp8_scaling.fp8_format(fmt)
+        s = s / factor
+        q = (x.detach().float() / fp8_scaling.expand_scale(s, x.shape)).clamp(-f.max, f.max).to(f.dtype)
+        return q, s
+
+    fp8_linear.quantize = too_small
+    try:
+        yield
+    finally:
+        fp8_linear.quantize = original
 
 
 def train_precision(
@@ -90,7 +106,7 @@ def train_precision(
     """Train the course model ``steps`` steps of AdamW in ``precision`` (one of :data:`PRECISIONS`).
 
     ``seed`` draws the initial weights (the same for every precision: the FP8 swap draws nothing),
-    ``data_seed`` the Markov stream and its order; ``lang`` the language (:func:`precision_language`);
+    ``data_seed`` the Markov stream and its order; ``lang`` the language (:func:`course_lib.experiments.small_run.quality_language`);
     ``cfg`` the model (:func:`precision_config`). ``keep``: linears the FP8 runs leave in fp32.
 
     **bf16 is mixed precision** (Micikevicius et al. 2018, "Mixed Precision Training"): the weights,
@@ -126,7 +142,7 @@ def train_precision(
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             return next_token_loss(model(x), y)  # cross-entropy in fp32 whatever the logits' dtype
 
-    data = small_run.batches(steps, batch, cfg.max_seq_len, data_seed, lang=lang or precision_language())
+    data = small_run.batches(steps, batch, cfg.max_seq_len, data_seed, lang=lang or small_run.quality_language())
     loss = small_run.train(
         model, opt, data, objective=objective, after_step=lambda step, _: seconds.append(clock() - starts[step])
     )

@@ -138,8 +138,8 @@ def hf_side_by_side(
     Returns ``extension_s`` (:func:`quanto_extension`), greedy ``tokens`` per cache (and ``"full"``, ``"hf_full"``
     without quantization), ``bytes`` held after the generation (``stored_bytes``, :func:`hf_cache_bytes`;
     ``"full"``: the full-precision cache), ``logit_error`` per cache against its own stack's full-precision
-    logits along the full-precision greedy tokens (teacher forcing: ``max_abs`` and the fraction of equal
-    argmaxes), ``hf_vs_as_hf`` and ``hf_full_vs_full`` (max |Δlogit| between the two stacks)."""
+    logits along the full-precision greedy tokens (teacher forcing: ``max_abs``, ``rms`` and the fraction of
+    equal argmaxes), ``hf_vs_as_hf`` and ``hf_full_vs_full`` (max |Δlogit| between the two stacks)."""
     seconds = quanto_extension()
     with _quiet(*NOISY):
         from transformers import DynamicCache
@@ -190,5 +190,6 @@ def hf_side_by_side(
 def _compare(logits: torch.Tensor, reference: torch.Tensor) -> dict[str, float]:
     return {
         "max_abs": (logits - reference).abs().max().item(),
+        "rms": (logits - reference).pow(2).mean().sqrt().item(),
         "agreement": (logits.argmax(-1) == reference.argmax(-1)).float().mean().item(),
     }

@@ -1,4 +1,4 @@
-"""Lineage from initialisation: a SeedPrints-style fingerprint of the course model (lecture 08).
+"""Lineage from initialisation: a SeedPrints-style fingerprint of the course model (lecture 08b).
 
 SeedPrints (Tong et al. 2025, arXiv:2509.26404) observes that a randomly initialised language model,
 fed random tokens, already prefers some output tokens over others, that this preference is fixed

@@ -1,4 +1,4 @@
-"""Reproducibility measured: summation order, seeds, deterministic algorithms and TF32 (lecture 08).
+"""Reproducibility measured: summation order, seeds, deterministic algorithms and TF32 (lecture 08b).
 
 Three facts a run has to respect before "same seed, same result" holds:
 
@@ -33,7 +33,7 @@ exists (:func:`precision_flags`).
 
 Re-running one run bit for bit is the *reproducibility* this buys. Getting the same bits on other
 hardware needs a fixed reduction order in every kernel (batch-invariant kernels), which standard
-libraries do not promise; lecture 08 discusses what that costs.
+libraries do not promise; lecture 08b discusses what that costs.
 
 Tested in tests/experiments/test_reproducibility.py; lab 11's tests use it too (tests/lab_shims.py).
 """

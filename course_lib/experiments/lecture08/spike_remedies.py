@@ -1,4 +1,4 @@
-"""A loss spike provoked on the course model, then tamed by one remedy at a time (lecture 08).
+"""A loss spike provoked on the course model, then tamed by one remedy at a time (lecture 08a).
 
 The provocation (``BASELINE``): the ``tiny`` model on a quickly learnable language, trained with SGD
 and momentum 0.9 at lr 0.05, no warm-up, no clipping, and its output layer initialised 20× too
