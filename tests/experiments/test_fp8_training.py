@@ -20,7 +20,9 @@ from torchao.float8.float8_training_tensor import LinearMMConfig
 
 from course_lib.experiments.lecture05.precision_comparison import (
     compare_precisions,
+    miscalibrated_scales,
     precision_config,
+    train_precision,
 )
 from course_lib.experiments.small_run import quality_language
 from course_lib.model.transformer import Transformer
@@ -85,7 +87,7 @@ def test_convert_to_fp8_training_swaps_the_linears_and_keeps_their_parameters():
 # where noise cancels and what is left is bias; 100 steps of a tiny model measure trajectory noise.
 # The test allows FP8 the spread a change of seed makes to bf16 (12 %): more than twice the largest
 # FP8 gap measured, so another CPU's rounding (a different draw of the same noise) passes.
-# It can fail, checked by hand: with every scale 16x too small (s = amax/448/16, so everything above
+# It can fail (test_fp8_with_scales_16x_too_small_fails_the_band runs it): with every scale 16x too small (s = amax/448/16, so everything above
 # amax/16 saturates) both FP8 runs stay above the bigram floor, at 1.87 (tensor) and 1.79 (block)
 # against bf16's 0.99: gaps of +89 % and +81 %, and the bigram-floor test fails too. Scales 64x too
 # large do not break training: amax lands on 448/64 = 7, still a normal e4m3 number with all 3
@@ -116,6 +118,22 @@ def test_training_reduces_the_loss_below_the_bigram_floor_in_every_precision(run
 
 
 @pytest.mark.parametrize("recipe", ["fp8-tensor", "fp8-block"])
+@pytest.mark.slow
+def test_fp8_with_scales_16x_too_small_fails_the_band(runs):
+    """The negative control lecture 05 §3 runs inline: the check above bites on a planted scale bug."""
+    with miscalibrated_scales(16):
+        broken = train_precision("fp8-block", STEPS)["loss"]
+    final = sum(broken[-LAST_K:]) / LAST_K
+    gap = (final - runs["final"]["bf16"]) / runs["final"]["bf16"]
+    assert gap > 4 * FP8_GAP and final > quality_language().conditional_entropy(1), (
+        f"fp8-block with scales 16x too small ends at {final:.3f}, a gap of {gap:+.0%} to bf16: the planted bug "
+        "should push it far outside the band and above the bigram floor (measured +81%, 1.79)"
+    )
+    from course_lib.precision import fp8_linear, fp8_scaling
+
+    assert fp8_linear.quantize is fp8_scaling.quantize, "miscalibrated_scales must restore quantize on exit"
+
+
 @pytest.mark.slow
 def test_fp8_training_loss_is_within_the_noise_band_of_bf16(runs, recipe):
     gap = runs["gap_vs_bf16"][recipe]
