@@ -26,6 +26,7 @@ The pieces, each from its paper:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -218,8 +219,21 @@ class MoE(nn.Module):
         return routed_experts(x, routing, self.experts)
 
     def aux_loss(self, routing: Routing) -> torch.Tensor:
-        """The Switch loss of this batch (expert parallelism overrides it with global counts)."""
-        return switch_aux_loss(routing, self.router.n_experts)
+        """The Switch loss of this batch (expert parallelism overrides it with global counts), on the router's
+        probabilities: :func:`as_probabilities` turns sigmoid scores into a distribution first."""
+        return switch_aux_loss(as_probabilities(routing, self.router.score), self.router.n_experts)
+
+
+def as_probabilities(routing: Routing, score: str) -> Routing:
+    """``routing`` with its scores a distribution over the experts, as the Switch loss's P_i must be.
+
+    Fedus et al.'s eq. 4 averages router *probabilities*, which a softmax router gives and sums to 1.
+    Sigmoid scores (DeepSeek-V3) do not sum to 1, so E·Σ f_i P_i on them is not 1 at balance and its
+    gradient pushes every score down, not the load apart; DeepSeek-V3's own sequence-wise loss normalises
+    them, s_i / Σ_j s_j (eq. 19), and so does this. Softmax scores are returned as they are."""
+    if score == "softmax":
+        return routing
+    return dataclasses.replace(routing, scores=routing.scores / routing.scores.sum(-1, keepdim=True))
 
 
 def routed_experts(x: torch.Tensor, routing: Routing, experts) -> torch.Tensor:

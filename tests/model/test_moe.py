@@ -190,3 +190,20 @@ def test_moe_layer_equals_transformers_deepseek_v3_moe():
     assert (y_ours - y_theirs).abs().max() <= 1e-6 * y_theirs.abs().max(), (
         f"MoE output differs from transformers' DeepseekV3MoE by {(y_ours - y_theirs).abs().max():.2e}"
     )
+
+
+def test_the_switch_loss_of_a_sigmoid_router_uses_normalised_affinities():
+    """Fedus et al.'s P_i are probabilities; sigmoid scores are not, so MoE.aux_loss normalises them first
+    (as DeepSeek-V3's sequence-wise loss does): at perfect balance the loss is 1 whatever the scores' sum."""
+    T, E, k = 64, 8, 2
+    balanced = moe.Routing(
+        experts=torch.arange(T * k).view(T, k) % E,
+        weights=torch.full((T, k), 0.5),
+        kept=torch.ones(T, k, dtype=torch.bool),
+        scores=torch.full((T, E), 0.9),  # sigmoids, summing to 7.2 per token
+        logits=torch.zeros(T, E),
+    )
+    assert moe.switch_aux_loss(balanced, E).item() > 7, "on raw sigmoid scores the loss is E·0.9 at balance"
+    normalised = moe.as_probabilities(balanced, "sigmoid")
+    torch.testing.assert_close(moe.switch_aux_loss(normalised, E), torch.tensor(1.0))
+    assert moe.as_probabilities(balanced, "softmax") is balanced, "softmax scores are probabilities already"

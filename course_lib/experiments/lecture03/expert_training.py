@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.cost.expert_dispatch import ep_dispatch_bytes, fp8_bytes_per_element
+from course_lib.data import MarkovLanguage
 from course_lib.dist import counter, device, launch, trace
 from course_lib.dist.timing import clock
 from course_lib.experiments import small_run
@@ -60,12 +61,20 @@ def dense_config(moe: ModelConfig) -> ModelConfig:
     )
 
 
-def _batches(cfg: ModelConfig, steps: int, batch: int, rank: int, world: int, seed: int):
-    return small_run.batches(steps, batch, cfg.max_seq_len, seed, rank=rank, world_size=world)
+def _batches(cfg: ModelConfig, steps: int, batch: int, rank: int, world: int, seed: int, lang=None):
+    return small_run.batches(steps, batch, cfg.max_seq_len, seed, lang=lang, rank=rank, world_size=world)
 
 
 def _train_rank(
-    cfg: ModelConfig, steps: int, batch: int, lr: float, balance: str, rate: float, aux_coef: float, fp8: bool
+    cfg: ModelConfig,
+    steps: int,
+    batch: int,
+    lr: float,
+    balance: str,
+    rate: float,
+    aux_coef: float,
+    fp8: bool,
+    lang: MarkovLanguage | None = None,
 ) -> dict:
     """One rank: the model (expert parallel when there is more than one rank), AdamW, ``steps`` steps."""
     rank, world, dev = dist.get_rank(), dist.get_world_size(), device()
@@ -78,7 +87,7 @@ def _train_rank(
     opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)  # elementwise: any split of the params
     out = {"loss": [], "ce": [], "loads": [], "experts": [], "spread": []}
     out |= {"seconds": [], "a2a_bytes": [], "a2a_seconds": []}
-    for x, y in _batches(cfg, steps, batch, rank, world, seed=0):
+    for x, y in _batches(cfg, steps, batch, rank, world, seed=0, lang=lang):
         x, y = x.to(dev), y.to(dev)
         dist.barrier()
         start = clock()
@@ -122,8 +131,10 @@ def train_moe(
     fp8: bool = False,
     cfg: ModelConfig | None = None,
     timeout: float = 120,
+    lang: MarkovLanguage | None = None,
 ) -> dict:
-    """Train the MoE model for ``steps`` steps of ``batch`` sequences at ``ep_size`` ranks.
+    """Train the MoE model for ``steps`` steps of ``batch`` sequences at ``ep_size`` ranks, on ``lang``
+    (default the course language; lecture 03 passes :func:`~course_lib.experiments.small_run.quality_language`).
 
     Returns (rank 0's view, every figure a whole-batch one): ``loss`` and ``ce`` (the cross-entropy
     alone) per step; ``loads`` [step][layer][expert]; ``experts`` [step][layer] the chosen experts of
@@ -137,7 +148,7 @@ def train_moe(
     if batch % ep_size:
         raise ValueError(f"batch={batch} sequences do not split over ep_size={ep_size} ranks")
     cfg = cfg or moe_config()
-    ranks = launch(_train_rank, ep_size, cfg, steps, batch, lr, balance, rate, aux_coef, fp8, timeout=timeout)
+    ranks = launch(_train_rank, ep_size, cfg, steps, batch, lr, balance, rate, aux_coef, fp8, lang, timeout=timeout)
     result = ranks[0]
     result["experts"] = [
         [torch.cat([r["experts"][s][layer] for r in ranks]) for layer in range(cfg.n_layers)] for s in range(steps)
@@ -145,10 +156,16 @@ def train_moe(
     return result
 
 
-def train_dense(steps: int = 10, batch: int = 8, lr: float = 3e-3, cfg: ModelConfig | None = None) -> dict:
+def train_dense(
+    steps: int = 10,
+    batch: int = 8,
+    lr: float = 3e-3,
+    cfg: ModelConfig | None = None,
+    lang: MarkovLanguage | None = None,
+) -> dict:
     """The dense model of :func:`dense_config` under the same data, steps and optimizer, on one rank."""
     cfg = cfg or dense_config(moe_config())
-    return launch(_train_rank, 1, cfg, steps, batch, lr, "none", 0.0, 0.0, False, timeout=120)[0]
+    return launch(_train_rank, 1, cfg, steps, batch, lr, "none", 0.0, 0.0, False, lang, timeout=120)[0]
 
 
 def load_over_training(method: str, steps: int = 40, batch: int = 8, rate: float = 1e-3, **kwargs) -> dict:

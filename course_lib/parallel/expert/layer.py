@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from course_lib.dist import trace
-from course_lib.model.moe import MoE, Routing
+from course_lib.model.moe import MoE, Routing, as_probabilities
 from course_lib.parallel.expert.dispatch import combine, dispatch, local_experts
 
 
@@ -72,7 +72,7 @@ class ExpertParallelMoE(MoE):
             return combine(results, d, routing, len(x), self.group)
 
     def aux_loss(self, routing: Routing) -> torch.Tensor:
-        return global_switch_aux_loss(routing, self.n_experts, self.group)
+        return global_switch_aux_loss(as_probabilities(routing, self.router.score), self.n_experts, self.group)
 
 
 def global_switch_aux_loss(routing: Routing, n_experts: int, group=None) -> torch.Tensor:
