@@ -21,6 +21,7 @@ the learner's answer and, where the answer is compared with a measurement, that 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -31,7 +32,7 @@ import torch
 
 from course_lib.cost import hardware, roofline
 from course_lib.cost.checkpoint import checkpoint_overhead, young_interval
-from course_lib.cost.collective_bytes import tp_received_elements
+from course_lib.cost.collective_bytes import ring_comm_bytes, tp_received_elements
 from course_lib.cost.memory import zero_model_state_bytes
 from course_lib.dist import device
 from course_lib.grading.adapter import load
@@ -39,6 +40,7 @@ from course_lib.inference.paged import PagedCache
 from course_lib.model import configs
 from course_lib.model.lora import apply_lora, lora_parameters
 from course_lib.model.transformer import Transformer
+from course_lib.optim import optimizers
 from course_lib.parallel.compose import Layout as ComposedLayout
 from course_lib.parallel.compose import check_layout
 
@@ -73,6 +75,30 @@ def _call(exercise: str, fn, *args):
         raise AssertionError(str(e)) from None
 
 
+def _refuse(*args, **kwargs):
+    raise AssertionError(
+        "this course_lib function answers the exercise, so it is switched off while the check runs: derive the "
+        "answer from the lecture's formula instead"
+    )
+
+
+@contextlib.contextmanager
+def _forbidden(*functions):
+    """While the block runs, every function in ``functions`` raises :func:`_refuse`'s AssertionError.
+
+    The function's code object is swapped, not its name in one module, so the learner's own import of it
+    (``from course_lib.cost.memory import zero_model_state_bytes``, under any name) refuses too. The
+    check computes what it needs from the library *before* entering the block."""
+    saved = [(f, f.__code__) for f in functions]
+    try:
+        for f, _ in saved:
+            f.__code__ = _refuse.__code__
+        yield
+    finally:
+        for f, code in saved:
+            f.__code__ = code
+
+
 # -------------------------------------------------------------------------- lecture 01: AdamW
 
 
@@ -94,7 +120,8 @@ def check_adamw_step(my_adamw_step) -> str:
         # gradients over five orders of magnitude: a misplaced eps or bias correction shows somewhere
         # host: drawn with gen on the host (the same numbers on every machine), then moved to dev
         grad = (torch.randn(32, 16, generator=gen) * 10 ** torch.randint(-3, 2, (32, 16), generator=gen)).to(dev)
-        _call("my_adamw_step", my_adamw_step, p_mine, grad, m, v, t, 1e-2, 0.9, 0.99, 1e-8, 0.1)
+        with _forbidden(optimizers.adamw_):  # the library's step is the answer, not a way to it
+            _call("my_adamw_step", my_adamw_step, p_mine, grad, m, v, t, 1e-2, 0.9, 0.99, 1e-8, 0.1)
         p_torch.grad = grad.clone()
         ref.step()
     torch.testing.assert_close(
@@ -118,19 +145,22 @@ ZERO_PAPER_FIGURE_1 = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}  # GB per rank, Ψ = 
 
 def check_model_state_gb(model_state_gb, lowest_stage_that_fits_70b) -> str:
     """The learner's per-rank model-state gigabytes against the ZeRO paper's Figure 1 and the library's formula."""
-    for stage, gb in ZERO_PAPER_FIGURE_1.items():
-        mine = _call("model_state_gb", model_state_gb, 7_500_000_000, 64, stage)
-        assert round(mine, 1) == gb, (
-            f"stage {stage}: you get {mine:.2f} GB for 7.5B parameters on 64 ranks, the paper {gb} GB. "
-            "Which of parameters (2 B), gradients (2 B), optimizer state (12 B) does each stage split?"
-        )
-        for psi, n in ((106_816, 4), (70_000_000_000, 64), (1_000, 3)):
-            want = zero_model_state_bytes(psi, n, stage) / 1e9
-            # the same sum of three terms: equal up to the last bit of a float64 division
-            assert math.isclose(model_state_gb(psi, n, stage), want), (
-                f"stage {stage}, Ψ={psi}, N={n}: expected {want} GB"
+    cases = [(psi, n) for psi, n in ((106_816, 4), (70_000_000_000, 64), (1_000, 3))]
+    wants = {(psi, n, st): zero_model_state_bytes(psi, n, st) / 1e9 for psi, n in cases for st in range(4)}
+    with _forbidden(zero_model_state_bytes):  # the library's formula is the answer, not a way to it
+        for stage, gb in ZERO_PAPER_FIGURE_1.items():
+            mine = _call("model_state_gb", model_state_gb, 7_500_000_000, 64, stage)
+            assert round(mine, 1) == gb, (
+                f"stage {stage}: you get {mine:.2f} GB for 7.5B parameters on 64 ranks, the paper {gb} GB. "
+                "Which of parameters (2 B), gradients (2 B), optimizer state (12 B) does each stage split?"
             )
-    fits = [s for s in range(4) if model_state_gb(70_000_000_000, 64, s) <= 80]
+            for psi, n in cases:
+                want = wants[psi, n, stage]
+                # the same sum of three terms: equal up to the last bit of a float64 division
+                assert math.isclose(model_state_gb(psi, n, stage), want), (
+                    f"stage {stage}, Ψ={psi}, N={n}: expected {want} GB"
+                )
+        fits = [s for s in range(4) if model_state_gb(70_000_000_000, 64, s) <= 80]
     if lowest_stage_that_fits_70b is None:
         raise AssertionError("model_state_gb is right; now set lowest_stage_that_fits_70b")
     assert lowest_stage_that_fits_70b == min(fits), (
@@ -159,14 +189,23 @@ def check_tp_step_prediction(predict_tp_step, measured: dict[int, tuple[int, int
 # ------------------------------------------------------------- lecture 03: ring attention
 
 
-def check_ring_forward_bytes(ring_forward_bytes, measured: int, B: int, S: int, HKV: int, D: int, N: int) -> str:
-    """The learner's expression for the bytes rank 0 sends in ring attention's forward, against the counter."""
-    answer_ = _call("ring_forward_bytes", ring_forward_bytes, B, S, HKV, D, N)
-    assert answer_ == measured, (
-        f"you predicted {answer_} B but rank 0 sent {measured} B. A block is one rank's K (or V): "
-        "B x HKV x (S/N) x D elements of 4 bytes; how many hops does each of K and V make before every rank has seen it?"
-    )
-    return f"ring exercise: {answer_} B, as measured"
+def check_ring_backward_bytes(ring_backward_bytes, measured: int, B: int, S: int, HKV: int, D: int, N: int) -> str:
+    """The learner's bytes rank 0 sends in ring attention's *backward*, with K and V in ``kv_bytes`` bytes per
+    element and the dK, dV accumulators in fp32: against the counter (fp32, the lecture's run) and against
+    :func:`~course_lib.cost.collective_bytes.ring_comm_bytes` in bf16 at other sizes, which the check switches off
+    while the learner's function runs (§2.5 shows it)."""
+    cases = [(B, S, HKV, D, N, 4), (B, S, HKV, D, N, 2), (1, 131_072, 8, 128, 16, 2), (2, 4096, 4, 64, 8, 2)]
+    wants = [ring_comm_bytes(b, s, h, d, n, kv)["backward_bytes"] for b, s, h, d, n, kv in cases]
+    assert wants[0] == measured, f"the lecture's run measured {measured} B, the formula {wants[0]}: rerun §2.5"
+    with _forbidden(ring_comm_bytes):
+        for (b, s, h, d, n, kv), want in zip(cases, wants):
+            got = _call("ring_backward_bytes", ring_backward_bytes, b, s, h, d, n, kv)
+            assert got == want, (
+                f"B={b}, S={s}, HKV={h}, D={d}, N={n}, K/V in {kv}-byte elements: you give {got} B, rank 0 sends "
+                f"{want} B. In the backward K and V make the forward's N - 1 hops again, and the gradients dK and dV "
+                "travel too: how many hops bring them home, and in which precision are they accumulated?"
+            )
+    return f"ring exercise: your backward bytes match the counter's {measured} B and the formula at three other sizes"
 
 
 # -------------------------------------------------------------------------- lecture 04: KV cache with a window

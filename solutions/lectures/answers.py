@@ -36,9 +36,11 @@ def predict_tp_step(n_layers, b, s, d):
     return forward, backward, total_bytes
 
 
-# Lecture 03, §2.5: each of K and V makes N − 1 hops of one block, B·HKV·(S/N)·D fp32 elements.
-def ring_forward_bytes(B, S, HKV, D, N):
-    return 2 * (N - 1) * B * HKV * (S // N) * D * 4
+# Lecture 03, §2.5: a block is B·HKV·(S/N)·D elements. Backward: K and V make the forward's N − 1 hops again, in
+# their own precision; dK and dV, accumulated in fp32 as they travel, make N hops, the last one bringing them home.
+def ring_backward_bytes(B, S, HKV, D, N, kv_bytes):
+    block = B * HKV * (S // N) * D
+    return 2 * (N - 1) * block * kv_bytes + 2 * N * block * 4
 
 
 # Lecture 04, §6: a GQA layer keeps K and V, n_kv_heads x head_dim bf16 elements each, per token; a

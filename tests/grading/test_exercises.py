@@ -48,15 +48,15 @@ def _run_check(name: str, ns: dict, tp_counted) -> str:
     if name == "valid_layouts":
         return exercises.check_valid_layouts(ns[name])
     # ring_comm_bytes equals what the counter measures: tests/parallel/context/test_ring_attention.py and lecture 03 §2.5
-    sent = ring_comm_bytes(RING["B"], RING["S"], RING["HKV"], RING["D"], RING["N"])["forward_bytes"]
-    return exercises.check_ring_forward_bytes(ns[name], sent, *RING.values())
+    sent = ring_comm_bytes(RING["B"], RING["S"], RING["HKV"], RING["D"], RING["N"])["backward_bytes"]
+    return exercises.check_ring_backward_bytes(ns[name], sent, *RING.values())
 
 
 EXERCISES = [
     ("01_foundations.ipynb", "my_adamw_step"),
     ("02_data_and_tensor_parallelism.ipynb", "model_state_gb"),
     ("02_data_and_tensor_parallelism.ipynb", "predict_tp_step"),
-    ("03_pipeline_sequence_expert_parallelism.ipynb", "ring_forward_bytes"),
+    ("03_pipeline_sequence_expert_parallelism.ipynb", "ring_backward_bytes"),
     ("04_frontier_architectures.ipynb", "kv_cache_bytes"),
     ("05_frontier_training_optimizations.ipynb", "lora_trainable_params"),
     ("06_memory_kv_cache_and_checkpointing.ipynb", "paged_waste_slots"),
@@ -126,7 +126,35 @@ def test_a_wrong_answer_fails_with_what_to_look_at(tp_counted):
     with pytest.raises(AssertionError, match="decoupled"):
         exercises.check_adamw_step(coupled_decay)
     with pytest.raises(AssertionError, match="how many hops"):
-        exercises.check_ring_forward_bytes(lambda B, S, HKV, D, N: B * S * HKV * D * 4, 49152, *RING.values())
+        exercises.check_ring_backward_bytes(
+            lambda B, S, HKV, D, N, kv: 2 * (N - 1) * B * HKV * (S // N) * D * kv, 114688, *RING.values()
+        )  # the gradients' hops left out
+    with pytest.raises(AssertionError, match="which precision"):  # dK, dV in the K/V precision, not fp32
+        exercises.check_ring_backward_bytes(
+            lambda B, S, HKV, D, N, kv: (4 * N - 2) * B * HKV * (S // N) * D * kv, 114688, *RING.values()
+        )
+    with pytest.raises(AssertionError, match="switched off"):  # the library's formula is not an answer
+        exercises.check_ring_backward_bytes(
+            lambda B, S, HKV, D, N, kv: ring_comm_bytes(B, S, HKV, D, N, kv)["backward_bytes"], 114688, *RING.values()
+        )
+    with pytest.raises(AssertionError, match="switched off"):
+        exercises.check_model_state_gb(
+            lambda psi, n, stage: (
+                __import__("course_lib.cost.memory").cost.memory.zero_model_state_bytes(psi, n, stage) / 1e9
+            ),
+            3,
+        )
+
+    def library_adamw(p, g, m, v, t, lr, beta1, beta2, eps, weight_decay):
+        from course_lib.optim.optimizers import adamw_
+
+        adamw_(p, g, m, v, t, lr, beta1, beta2, eps, weight_decay)
+
+    with pytest.raises(AssertionError, match="switched off"):
+        exercises.check_adamw_step(library_adamw)
+    from course_lib.cost.memory import zero_model_state_bytes
+
+    assert zero_model_state_bytes(8, 2, 3) == 64, "the forbidden function works again after the check"
     with pytest.raises(AssertionError, match="the 'sliding' ones only the last"):  # no window: every layer grows
         exercises.check_kv_cache_bytes(lambda cfg, L: 2 * cfg.n_kv_heads * cfg.head_dim * 2 * cfg.n_layers * L)
     with pytest.raises(AssertionError, match="Derive the count"):  # the library's count is not an answer
