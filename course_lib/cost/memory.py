@@ -80,7 +80,7 @@ def zero_model_state_bytes(
 
 
 # Elements of optimizer state per parameter element, for a dense (unfactored) parameter.
-STATE_ELEMENTS = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2, "lion": 1, "adafactor": 1}
+STATE_ELEMENTS = {"sgd": 0, "momentum": 1, "adagrad": 1, "rmsprop": 1, "adam": 2, "adamw": 2, "lion": 1, "adafactor": 1}
 
 
 def _state_elements(name: str, shape: tuple[int, ...]) -> int:
@@ -104,8 +104,8 @@ def state_bytes(name: str, shapes: Iterable, bytes_per_element: int = 4) -> int:
 
 
 def state_bytes_per_param(name: str, shapes: Iterable = ((1,),), bytes_per_element: int = 4) -> float:
-    """:func:`state_bytes` divided by the number of parameters: 0, 4, 8, 8, 4 bytes for sgd, momentum,
-    adam, adamw, lion in fp32; for adafactor 4(n+m)/(nm) for an n×m matrix (≈ 0 for large ones)."""
+    """:func:`state_bytes` divided by the number of parameters: 0, 4, 4, 4, 8, 8, 4 bytes for sgd, momentum,
+    adagrad, rmsprop, adam, adamw, lion in fp32; for adafactor 4(n+m)/(nm) for an n×m matrix (≈ 0 for large ones)."""
     shapes = [tuple(getattr(s, "shape", s)) for s in shapes]
     n_params = sum(math.prod(s) for s in shapes)
     if n_params == 0:

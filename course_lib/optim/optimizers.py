@@ -7,6 +7,8 @@ g = gradient, θ = parameters, η = learning rate, λ = weight decay, t = step (
     Adam       m ← β₁ m + (1−β₁) g          v ← β₂ v + (1−β₂) g²
                θ ← θ − η m̂ / (√v̂ + ε),     m̂ = m/(1−β₁ᵗ), v̂ = v/(1−β₂ᵗ)   (Kingma & Ba 2015, Alg. 1)
     AdamW      θ ← θ (1 − ηλ), then Adam with no λ in g          (Loshchilov & Hutter 2019, Alg. 2)
+    Adagrad    G ← G + g²                   θ ← θ − η g / (√G + ε)       (Duchi et al. 2011, diagonal form)
+    RMSprop    v ← α v + (1−α) g²           θ ← θ − η g / (√v + ε)       (Tieleman & Hinton 2012, lecture 6.5)
     Lion       c = β₁ m + (1−β₁) g          θ ← θ (1 − ηλ) − η sign(c)
                m ← β₂ m + (1−β₂) g                                (Chen et al. 2023, Alg. 2)
     Adafactor  second moment of an n×m matrix kept as row and column statistics R, C:
@@ -27,7 +29,18 @@ import math
 
 import torch
 
-__all__ = ["SGD", "Adafactor", "Adam", "AdamW", "Lion", "adamw_", "build", "factored_second_moment"]
+__all__ = [
+    "SGD",
+    "Adafactor",
+    "Adagrad",
+    "Adam",
+    "AdamW",
+    "Lion",
+    "RMSprop",
+    "adamw_",
+    "build",
+    "factored_second_moment",
+]
 
 
 class _Optimizer(torch.optim.Optimizer):
@@ -156,6 +169,49 @@ class AdamW(Adam):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
+class Adagrad(_Optimizer):
+    """Adagrad (Duchi, Hazan & Singer 2011, the diagonal form): G ← G + g², θ ← θ − η g/(√G + ε).
+
+    Each coordinate's step shrinks with the sum of all its past squared gradients, so rare features
+    keep large steps; the sum never forgets, which is why the step decays towards zero on long runs and
+    RMSprop and Adam replaced the sum by a moving average. State: G, one element per parameter.
+    Arithmetic in torch.optim.Adagrad's order (no learning-rate decay, accumulator from 0).
+    """
+
+    def __init__(self, params, lr: float = 1e-2, eps: float = 1e-10):
+        _check("lr", lr, 0.0)
+        _check("eps", eps, 0.0)
+        super().__init__(params, dict(lr=lr, eps=eps))
+
+    def _update(self, p, g, state, group):
+        if not state:
+            state["sum"] = torch.zeros_like(p)
+        state["sum"].addcmul_(g, g, value=1)
+        p.addcdiv_(g, state["sum"].sqrt().add_(group["eps"]), value=-group["lr"])
+
+
+class RMSprop(_Optimizer):
+    """RMSprop (Tieleman & Hinton 2012, Coursera lecture 6.5): v ← α v + (1 − α) g², θ ← θ − η g/(√v + ε).
+
+    Adagrad with the sum replaced by an exponential moving average, so old gradients are forgotten;
+    Adam adds a first moment and bias correction on top. State: v, one element per parameter.
+    Arithmetic in torch.optim.RMSprop's order (no momentum, not centred).
+    """
+
+    def __init__(self, params, lr: float = 1e-2, alpha: float = 0.99, eps: float = 1e-8):
+        _check("lr", lr, 0.0)
+        _check("beta", alpha, 0.0, 1.0)
+        _check("eps", eps, 0.0)
+        super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps))
+
+    def _update(self, p, g, state, group):
+        if not state:
+            state["square_avg"] = torch.zeros_like(p)
+        v = state["square_avg"]
+        v.mul_(group["alpha"]).addcmul_(g, g, value=1 - group["alpha"])
+        p.addcdiv_(g, v.sqrt().add_(group["eps"]), value=-group["lr"])
+
+
 class Lion(_Optimizer):
     """Lion, "EvoLved Sign Momentum" (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms", Alg. 2).
 
@@ -254,11 +310,21 @@ class Adafactor(_Optimizer):
         p.add_(update, alpha=-alpha / clip)
 
 
-_CLASSES = {"sgd": SGD, "momentum": SGD, "adam": Adam, "adamw": AdamW, "lion": Lion, "adafactor": Adafactor}
+_CLASSES = {
+    "sgd": SGD,
+    "momentum": SGD,
+    "adagrad": Adagrad,
+    "rmsprop": RMSprop,
+    "adam": Adam,
+    "adamw": AdamW,
+    "lion": Lion,
+    "adafactor": Adafactor,
+}
 
 
 def build(name: str, params, **kwargs) -> torch.optim.Optimizer:
-    """The course optimizer called ``name`` ("sgd", "momentum", "adam", "adamw", "lion", "adafactor").
+    """The course optimizer called ``name`` ("sgd", "momentum", "adagrad", "rmsprop", "adam", "adamw", "lion",
+    "adafactor").
 
     "momentum" is SGD with μ = 0.9 unless ``momentum=`` is given.
     """

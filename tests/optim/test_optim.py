@@ -47,6 +47,11 @@ TORCH_PAIRS = {
         lambda p: optim.AdamW(p, lr=3e-3, weight_decay=0.1),
         lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.1),
     ),
+    "adagrad": (lambda p: optim.Adagrad(p, lr=1e-2), lambda p: torch.optim.Adagrad(p, lr=1e-2)),
+    "rmsprop": (
+        lambda p: optim.RMSprop(p, lr=1e-3, alpha=0.95, eps=1e-6),
+        lambda p: torch.optim.RMSprop(p, lr=1e-3, alpha=0.95, eps=1e-6),
+    ),
 }
 
 
@@ -175,7 +180,7 @@ def test_lion_ignores_gradient_scale():
 
 # ---- bytes of state --------------------------------------------------------------------------------
 
-EXPECTED_BYTES_PER_PARAM = {"sgd": 0, "momentum": 4, "adam": 8, "adamw": 8, "lion": 4}
+EXPECTED_BYTES_PER_PARAM = {"sgd": 0, "momentum": 4, "adagrad": 4, "rmsprop": 4, "adam": 8, "adamw": 8, "lion": 4}
 
 
 @pytest.mark.parametrize("name", list(EXPECTED_BYTES_PER_PARAM))
@@ -198,7 +203,7 @@ def _measure(make):
     return model, opt
 
 
-@pytest.mark.parametrize("name", ["sgd", "momentum", "adam", "adamw", "lion", "adafactor"])
+@pytest.mark.parametrize("name", ["sgd", "momentum", "adagrad", "rmsprop", "adam", "adamw", "lion", "adafactor"])
 def test_state_bytes_formula_matches_measured_state(name):
     model, opt = _measure(lambda p: optim.build(name, p))
     assert census.optimizer_state_bytes(opt) == cost_memory.state_bytes(name, model.parameters()), (
@@ -214,6 +219,8 @@ def test_state_bytes_formula_matches_measured_state(name):
         ("adam", lambda p: torch.optim.Adam(p)),
         ("adamw", lambda p: torch.optim.AdamW(p)),
         ("adafactor", lambda p: torch.optim.Adafactor(p)),
+        ("adagrad", lambda p: torch.optim.Adagrad(p)),
+        ("rmsprop", lambda p: torch.optim.RMSprop(p)),
     ],
 )
 def test_state_bytes_formula_matches_torch_optimizers(name, make):
@@ -232,11 +239,13 @@ def test_mixed_precision_adam_is_sixteen_bytes_per_param():
 def test_bad_input_is_explained():
     p = [nn.Parameter(torch.zeros(2))]
     with pytest.raises(ValueError, match="choose one of"):
-        optim.build("rmsprop", p)
+        optim.build("adadelta", p)
     with pytest.raises(ValueError, match="learning rate must be >= 0"):
         optim.AdamW(p, lr=-1.0)
     with pytest.raises(ValueError, match="betas must be in"):
         optim.Lion(p, betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="betas must be in"):  # RMSprop's alpha is a moving-average decay too
+        optim.RMSprop(p, alpha=1.0)
     with pytest.raises(ValueError, match="no parameters"):
         cost_memory.state_bytes_per_param("adam", [])
     assert optim.build("momentum", p).defaults["momentum"] == 0.9
