@@ -24,7 +24,7 @@ from course_lib.experiments.lecture05.precision_comparison import (
     precision_config,
     train_precision,
 )
-from course_lib.experiments.small_run import quality_language
+from course_lib.experiments.small_run import final_loss, quality_language
 from course_lib.model.transformer import Transformer
 from course_lib.precision.fp8_gemm import fp8_matmul
 from course_lib.precision.fp8_linear import FP8Linear, convert_to_fp8_training
@@ -122,7 +122,7 @@ def test_fp8_with_scales_16x_too_small_fails_the_band(runs):
     """The negative control lecture 05 §3 runs inline: the check above bites on a planted scale bug."""
     with miscalibrated_scales(16):
         broken = train_precision("fp8-block", STEPS)["loss"]
-    final = sum(broken[-LAST_K:]) / LAST_K
+    final = final_loss(broken, LAST_K)
     gap = (final - runs["final"]["bf16"]) / runs["final"]["bf16"]
     assert gap > 4 * FP8_GAP and final > quality_language().conditional_entropy(1), (
         f"fp8-block with scales 16x too small ends at {final:.3f}, a gap of {gap:+.0%} to bf16: the planted bug "

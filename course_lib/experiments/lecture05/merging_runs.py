@@ -26,13 +26,13 @@ import torch
 
 from course_lib.data import MarkovLanguage
 from course_lib.experiments import small_run
+from course_lib.experiments.lecture05.qlora_finetune import val_loss
 from course_lib.experiments.small_run import RECIPE
 from course_lib.model.merge import add_task_vectors, average_weights, task_vector
 from course_lib.model.transformer import Transformer
 
-__all__ = ["EVAL_SEED", "merging_study", "task_languages"]
+__all__ = ["merging_study", "task_languages"]
 
-EVAL_SEED = 10_000  # the held-out windows' stream: never a training seed here
 LAMBDAS = (0.5, 0.7)  # 0.5: the uniform average of the two fine-tunes; 0.7: a scale tuned on AB, as the paper tunes λ
 
 
@@ -51,12 +51,6 @@ def task_languages() -> dict[str, MarkovLanguage]:
             table[mask] = donor[mask]
         out[name] = MarkovLanguage.from_transitions(table)
     return out
-
-
-def _held_out_loss(model: Transformer, lang: MarkovLanguage, sequences: int = 128) -> float:
-    data = small_run.windows(lang, sequences, RECIPE.seq_len, EVAL_SEED)
-    with torch.no_grad():
-        return model.eval().loss(data.inputs, data.targets).item()
 
 
 def _finetune(base: Transformer, lang: MarkovLanguage, seed: int) -> Transformer:
@@ -100,5 +94,6 @@ def merging_study(seed: int = 0) -> dict:
         models[name].load_state_dict(state)
     order = ["base", "average of two inits", "A", "A'", "soup A+A'", "B", "average A+B"]
     order += [f"task arithmetic λ={LAMBDAS[1]}", "trained on AB"]
-    loss = {name: {k: _held_out_loss(models[name], lang) for k, lang in langs.items()} for name in order}
+    with torch.no_grad():  # held-out windows of each language, qlora_finetune's (seed 10 000, never a training seed)
+        loss = {name: {k: val_loss(models[name], lang, sequences=128) for k, lang in langs.items()} for name in order}
     return {"loss": loss, "pretrain": pretrain}
